@@ -1,0 +1,100 @@
+"""Batched rejection sampling of drafts against the target (speculative sampling).
+
+Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling", Algorithm 2. The full draft distribution is
+used, not a one-hot of the drafted token, so any drafter is exact: a model-free
+drafter simply passes one-hot `draft_probs`.
+
+Each row may have its own number of drafts (`num_draft_tokens`); positions past it
+are not tested and the token there is the bonus. The output has a fixed shape
+[B, K + 1] padded with PLACEHOLDER_TOKEN_ID and is turned into ragged lists once,
+by `RejectionOutput.to_lists`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysd.core.sampling import sample_from_probs
+
+PLACEHOLDER_TOKEN_ID = -1  # public: marks the unused tail of each output row
+
+
+@dataclass(frozen=True)
+class RejectionOutput:
+    output_token_ids: torch.Tensor  # [B, K + 1] accepted drafts, then recovered or bonus, then -1
+    num_accepted: torch.Tensor  # [B] accepted drafts per row; tokens emitted = num_accepted + 1
+    num_tested: torch.Tensor  # [B] positions whose rejection test ran: min(num_accepted + 1, num_drafts)
+
+    def to_lists(self) -> list[list[int]]:
+        """Ragged emitted tokens per row; one device-to-host copy for the batch."""
+        rows = self.output_token_ids.tolist()
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:n] for row, n in zip(rows, counts)]
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64, each in 0..K
+    draft_probs: torch.Tensor,  # [B, K, V] distribution each draft was sampled from
+    target_probs: torch.Tensor,  # [B, K + 1, V] target distribution after each prefix
+    accept_uniforms: torch.Tensor,  # [B, K] in [0, 1)
+    final_uniforms: torch.Tensor,  # [B] in [0, 1), for the recovered or bonus token
+) -> RejectionOutput:
+    """Accept each draft token x with probability min(1, target_probs(x) / draft_probs(x)).
+
+    The first rejection at position j emits a recovered token drawn from
+    norm(max(0, target_probs[j] - draft_probs[j])); if every draft is accepted the
+    bonus token is drawn from target_probs[num_drafts]. Greedy rows pass one-hot
+    target_probs, which makes this the exact "accept while draft == argmax" rule.
+    """
+    B, K = draft_token_ids.shape
+    V = target_probs.shape[-1]
+    assert num_draft_tokens.shape == (B,)
+    assert draft_probs.shape == (B, K, V), (draft_probs.shape, (B, K, V))
+    assert target_probs.shape == (B, K + 1, V), (target_probs.shape, (B, K + 1, V))
+    assert accept_uniforms.shape == (B, K) and final_uniforms.shape == (B,)
+    device = target_probs.device
+    rows = torch.arange(B, device=device)
+
+    positions = torch.arange(K, device=device)
+    drafted = positions[None, :] < num_draft_tokens[:, None]  # [B, K]
+    index = draft_token_ids.clamp(min=0)[..., None]  # [B, K, 1]
+    target_at_draft = target_probs[:, :K].gather(-1, index)[..., 0]  # [B, K]
+    draft_at_draft = draft_probs.gather(-1, index)[..., 0]  # [B, K]
+    # u < target/draft written without the division; a sampled draft has draft_prob > 0.
+    accepted = drafted & (accept_uniforms * draft_at_draft < target_at_draft)  # [B, K]
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
+
+    rejected = num_accepted < num_draft_tokens  # [B] stopped by a rejection, not by running out
+    final_target = target_probs[rows, num_accepted]  # [B, V]
+    if K > 0:
+        final_draft = draft_probs[rows, num_accepted.clamp(max=K - 1)]  # [B, V]
+        residual = (final_target - final_draft).clamp_(min=0.0)  # [B, V] recovered distribution
+        final_dist = torch.where(rejected[:, None], residual, final_target)
+    else:
+        final_dist = final_target
+    final_tokens = sample_from_probs(final_dist, final_uniforms)  # [B]
+
+    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
+    output[rows, num_accepted] = final_tokens
+    num_tested = torch.minimum(num_accepted + 1, num_draft_tokens)
+    return RejectionOutput(output, num_accepted, num_tested)
+
+
+def draft_target_overlap(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """sum_x min(target_probs(x), draft_probs(x)) = 1 - TV: the acceptance probability at
+    each draft position (Leviathan et al. 2023, Definition 3.1 and Corollary 3.6).
+
+    Args:
+        draft_probs: [B, K, V]
+        target_probs: [B, K + 1, V]; the last position has no draft and is ignored.
+    Returns:
+        [B, K] float32.
+    """
+    K = draft_probs.shape[1]
+    return torch.minimum(draft_probs, target_probs[:, :K]).sum(dim=-1)

@@ -1,0 +1,136 @@
+"""Logits to probabilities, and sampling that takes its randomness as an argument.
+
+Draft and target go through the same `logits_to_probs`, so the distributions
+compared by the rejection test are the ones each model actually samples from.
+Temperature 0 is an exact argmax: its "distribution" is one-hot, and every
+rejection test against it is decided without looking at a random number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Defaults follow Hugging Face `generate`."""
+
+    temperature: float = 0.0  # 0 means greedy: exact argmax, no randomness consumed
+    top_k: int = 0  # 0 disables; otherwise keep the k largest logits (ties kept)
+    top_p: float = 1.0  # 1.0 disables; otherwise nucleus sampling as in HF TopPLogitsWarper
+    seed: int = 0  # a request's own generator is seeded with this
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and self.temperature == self.temperature):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [B] int64, 0 disables
+    top_p: torch.Tensor  # [B] float32, 1 disables
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+        return SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        )
+
+    def to(self, device: torch.device | str) -> "SamplingTensors":
+        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """Turn logits into the distribution each row samples from.
+
+    Order as in HF generate: temperature, then top-k, then top-p.
+
+    Args:
+        logits: [B, V] or [B, T, V]; any float dtype.
+        sampling: per-row parameters, each [B].
+    Returns:
+        float32 probabilities of the same shape; one-hot at argmax for greedy rows.
+    """
+    squeeze = logits.dim() == 2
+    if squeeze:
+        logits = logits[:, None]
+    B, T, V = logits.shape
+    assert sampling.temperature.shape == (B,), (sampling.temperature.shape, B)
+    logits = logits.float()
+
+    greedy = sampling.temperature == 0  # [B]
+    temperature = torch.where(greedy, 1.0, sampling.temperature)[:, None, None]  # [B, 1, 1]
+    scaled = logits / temperature  # [B, T, V]
+    needs_top_k = bool(((sampling.top_k > 0) & (sampling.top_k < V)).any())
+    needs_top_p = bool((sampling.top_p < 1.0).any())
+    if needs_top_k or needs_top_p:
+        scaled = _apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs[:, 0] if squeeze else probs
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus with -inf.
+
+    Written as HF's TopKLogitsWarper then TopPLogitsWarper (ascending sort, drop
+    tokens whose cumulative mass is <= 1 - top_p, keep the largest), vectorised
+    over rows that each carry their own k and p.
+    """
+    B, T, V = scaled.shape
+    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=False)  # [B, T, V]
+    # top-k: keep logits >= the k-th largest, so ties at the boundary survive.
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [B]
+    kth = sorted_logits.gather(-1, (V - k)[:, None, None].expand(B, T, 1))  # [B, T, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # top-p on what top-k left.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, T, V]
+    drop = (cumulative <= (1.0 - top_p)[:, None, None]) & (top_p < 1.0)[:, None, None]
+    drop[..., -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row by inverting the CDF with a given uniform.
+
+    The probabilities need not be normalised. A token of zero probability is never
+    returned: searchsorted(right=True) lands on the first index whose CDF exceeds
+    the draw, and a zero-probability token never raises the CDF.
+
+    Args:
+        probs: [N, V] non-negative weights with a positive sum per row.
+        uniforms: [N] in [0, 1).
+    Returns:
+        [N] int64 token ids.
+    """
+    assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]; float64 so a 128k vocabulary loses nothing
+    draw = uniforms.double()[:, None] * cdf[:, -1:]  # [N, 1]
+    tokens = torch.searchsorted(cdf, draw, right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,1 @@
+"""The single-process speculative decoding engine (no Ray)."""

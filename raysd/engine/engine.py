@@ -1,0 +1,123 @@
+"""The single-process speculative decoding engine: continuous batching over one target
+and one drafter. The Ray coordinator runs the same step with the two halves in actors."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from raysd.core.sampling import SamplingTensors
+from raysd.core.stats import SpecDecodeStats
+from raysd.engine.drafters import Drafter
+from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
+from raysd.engine.verifier import TargetVerifier
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 4  # K: drafts per row per step
+    max_batch_size: int = 8  # rows decoded together; waiting requests take freed slots
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2048  # prompt + generated tokens per row
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+@dataclass
+class EngineTimings:
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    wall_s: float = 0.0
+    steps: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass
+class StepOutcome:
+    finished: list[int] = field(default_factory=list)  # row indices that finished this step
+
+
+class SpecEngine:
+    def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
+        self.verifier = TargetVerifier(target)
+        self.drafter = drafter
+        self.config = config
+        self.vocab_size = self.verifier.vocab_size
+        self.timings = EngineTimings()
+
+    def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Generate for every request; results come back in request order."""
+        cfg = self.config
+        results: dict[int, GenerationResult] = {}
+        waiting = deque()
+        for i, req in enumerate(requests):
+            error = request_error(req, self.vocab_size, cfg.max_model_len)
+            if error:
+                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error)
+            else:
+                waiting.append((i, req))
+        active: list[tuple[int, RowState]] = []
+        start = time.perf_counter()
+        while waiting or active:
+            admitted = []
+            while waiting and len(active) < cfg.max_batch_size:
+                i, req = waiting.popleft()
+                row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), cfg.max_model_len)
+                active.append((i, row))
+                admitted.append(req.prompt_token_ids)
+            if admitted:
+                self.verifier.add_rows(admitted)
+                self.drafter.add_rows(admitted)
+            self.step([row for _, row in active])
+            keep = [k for k, (_, row) in enumerate(active) if row.finish_reason is None]
+            for i, row in active:
+                if row.finish_reason is not None:
+                    results[i] = row.result()
+                    self.timings.generated_tokens += len(row.output)
+            if len(keep) < len(active):
+                active = [active[k] for k in keep]
+                self.verifier.select(keep)
+                self.drafter.select(keep)
+        self.timings.wall_s += time.perf_counter() - start
+        return [results[i] for i in range(len(requests))]
+
+    def step(self, rows: list[RowState]) -> None:
+        """One speculative step for every row: propose, verify, emit, roll back."""
+        K = self.config.num_speculative_tokens
+        device = self.verifier.seqs.device
+        # 1. Per-row budgets and random draws (from each row's own generator).
+        max_drafts = [row.max_drafts() for row in rows]
+        uniforms = torch.stack([row.uniforms() for row in rows]).to(device)  # [B, 2K + 1]
+        sampling = SamplingTensors.from_params([row.request.params for row in rows], device)
+        # 2. Draft.
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(max_drafts, sampling, uniforms[:, :K])
+        t1 = time.perf_counter()
+        # 3. Verify: one target pass over K + 1 positions, then the rejection test.
+        Kp = proposal.draft_token_ids.shape[1]
+        out = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K])
+        tokens, tested, accepted, overlaps = out.per_row()
+        t2 = time.perf_counter()
+        # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
+        drafted = proposal.num_draft_tokens.tolist()
+        kept = []
+        for row, new, n_draft, n_acc, ov in zip(rows, tokens, drafted, accepted, overlaps):
+            row.stats.observe(n_draft, n_acc, ov)
+            kept.append(row.append(new))
+        self.verifier.commit(kept)
+        self.drafter.commit(kept)
+        self.timings.draft_s += t1 - t0
+        self.timings.target_s += t2 - t1
+        self.timings.steps += 1

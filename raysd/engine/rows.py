@@ -1,0 +1,106 @@
+"""Requests, results, and the per-row bookkeeping shared by the engine and the Ray coordinator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+from raysd.core.sampling import SamplingParams
+from raysd.core.stats import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: Hashable
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+
+
+@dataclass
+class GenerationResult:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length" or "error"
+    stats: SpecDecodeStats
+    error: str | None = None
+
+
+def request_error(request: Request, vocab_size: int, max_model_len: int) -> str | None:
+    """Why a request cannot be generated, or None. Checked before it takes a batch slot."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        return "empty prompt"
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+    if len(prompt) >= max_model_len:
+        return f"prompt has {len(prompt)} tokens; the model's context is {max_model_len}"
+    return None
+
+
+@dataclass
+class RowState:
+    """One request in flight: its tokens, its random stream, its statistics."""
+
+    request: Request
+    num_speculative_tokens: int
+    stop_ids: frozenset[int]
+    max_model_len: int
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.stats = SpecDecodeStats(self.num_speculative_tokens)
+        self.generator = torch.Generator().manual_seed(self.request.params.seed)
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output)
+
+    def max_drafts(self) -> int:
+        """Drafts worth verifying: no more than the tokens this row may still emit, minus the bonus."""
+        room = min(self.request.params.max_new_tokens - len(self.output), self.max_model_len - self.length)
+        return max(0, min(self.num_speculative_tokens, room - 1))
+
+    def uniforms(self) -> torch.Tensor:
+        """[2K + 1] draws for one step: K for drafting, K for acceptance, 1 for the final token.
+
+        The same number every step whatever was drafted, so a row's random stream
+        depends on its seed and its own history only, never on its batch. Greedy
+        rows draw nothing.
+        """
+        K = self.num_speculative_tokens
+        if self.request.params.greedy:
+            return torch.full((2 * K + 1,), 0.5)
+        return torch.rand(2 * K + 1, generator=self.generator)
+
+    def append(self, tokens: Sequence[int]) -> list[int]:
+        """Emit verified tokens up to a stop condition; returns those actually kept."""
+        params = self.request.params
+        kept = []
+        for t in tokens:
+            kept.append(t)
+            self.output.append(t)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output) >= params.max_new_tokens or self.length >= self.max_model_len:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            self.request.request_id, list(self.request.prompt_token_ids), list(self.output), self.finish_reason or "length", self.stats
+        )
+
+
+def stop_ids_for(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    return frozenset(eos) | frozenset(params.stop_token_ids)

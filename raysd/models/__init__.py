@@ -1,0 +1,1 @@
+"""Model loading and the batched KV cache runner (torch + transformers; no Ray)."""

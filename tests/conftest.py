@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random-weight models of the real architectures, built offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 96
+EOS = 2
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab: int = VOCAB):
+    """A small random model whose logits are spread enough that fp32 argmax has no near-ties."""
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=512,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default target (fp32), loaded once per test session."""
+    from raysd.models.loading import ModelSpec, load_model, load_tokenizer
+
+    return load_model(ModelSpec()), load_tokenizer("smollm2-135m-instruct")
