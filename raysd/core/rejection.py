@@ -74,7 +74,11 @@ def rejection_sample(
     if K > 0:
         final_draft = draft_probs[rows, num_accepted.clamp(max=K - 1)]  # [B, V]
         residual = (final_target - final_draft).clamp_(min=0.0)  # [B, V] recovered distribution
-        final_dist = torch.where(rejected[:, None], residual, final_target)
+        # float32 probabilities do not sum to exactly 1, so target <= draft everywhere can
+        # happen with a rejection of probability ~1e-6; then the two agree to rounding and
+        # the residual's limit is the target itself.
+        use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]
+        final_dist = torch.where(use_residual[:, None], residual, final_target)
     else:
         final_dist = final_target
     final_tokens = sample_from_probs(final_dist, final_uniforms)  # [B]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -13,9 +13,10 @@ from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
-from raysd.engine.drafters import Drafter
+from raysd.engine.drafters import DraftModelDrafter, Drafter
 from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
 from raysd.engine.verifier import TargetVerifier
+from raysd.models.loading import max_model_len
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,14 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # K: drafts per row per step
     max_batch_size: int = 8  # rows decoded together; waiting requests take freed slots
     eos_token_ids: tuple[int, ...] = ()
-    max_model_len: int = 2048  # prompt + generated tokens per row
+    max_model_len: int | None = None  # prompt + generated tokens per row; None: the models' own limit
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
@@ -44,17 +45,16 @@ class EngineTimings:
     generated_tokens: int = 0
 
 
-@dataclass
-class StepOutcome:
-    finished: list[int] = field(default_factory=list)  # row indices that finished this step
-
-
 class SpecEngine:
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
         self.verifier = TargetVerifier(target)
         self.drafter = drafter
         self.config = config
         self.vocab_size = self.verifier.vocab_size
+        limits = [max_model_len(target)] + ([config.max_model_len] if config.max_model_len else [])
+        if isinstance(drafter, DraftModelDrafter):
+            limits.append(max_model_len(drafter.seqs.runner.model))
+        self.max_model_len = min(limits)
         self.timings = EngineTimings()
 
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
@@ -63,7 +63,7 @@ class SpecEngine:
         results: dict[int, GenerationResult] = {}
         waiting = deque()
         for i, req in enumerate(requests):
-            error = request_error(req, self.vocab_size, cfg.max_model_len)
+            error = request_error(req, self.vocab_size, self.max_model_len)
             if error:
                 results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error)
             else:
@@ -74,7 +74,7 @@ class SpecEngine:
             admitted = []
             while waiting and len(active) < cfg.max_batch_size:
                 i, req = waiting.popleft()
-                row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), cfg.max_model_len)
+                row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), self.max_model_len)
                 active.append((i, row))
                 admitted.append(req.prompt_token_ids)
             if admitted:

@@ -23,6 +23,7 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.num_embeddings = model.get_input_embeddings().num_embeddings
         self.cache = DynamicCache()  # full-attention layers for every model; see max_model_len
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, L] real tokens
         self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] = valid.sum(1)
@@ -46,6 +47,9 @@ class ModelRunner:
         B, T = chunks.shape
         assert B == self.num_rows and chunk_valid.shape == (B, T) and num_logits.shape == (B,)
         positions = (self.lengths[:, None] + chunk_valid.cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+        # A draft with a narrower vocabulary cannot embed every target token; it reads a
+        # stand-in instead, which can only cost acceptance, never exactness.
+        chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
         mask = torch.cat([self.valid, chunk_valid], dim=1)  # [B, L + T]
         n = int(num_logits.max())
         out = self.model(

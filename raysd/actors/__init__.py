@@ -1,0 +1,19 @@
+"""Draft and target in separate Ray actors, drafting overlapped with batched verification."""
+
+from raysd.actors.coordinator import ActorResources, CoordinatorConfig, RunOutput, RunReport, SpecCoordinator
+from raysd.actors.model_actors import DrafterSpec, TopMDraftModelDrafter
+from raysd.actors.transport import TransferStats, decode_proposal, encode_proposal, pickled_nbytes
+
+__all__ = [
+    "ActorResources",
+    "CoordinatorConfig",
+    "DrafterSpec",
+    "RunOutput",
+    "RunReport",
+    "SpecCoordinator",
+    "TopMDraftModelDrafter",
+    "TransferStats",
+    "decode_proposal",
+    "encode_proposal",
+    "pickled_nbytes",
+]

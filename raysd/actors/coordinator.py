@@ -1,0 +1,310 @@
+"""Draft and target in two Ray actors, drafting overlapped with batched verification.
+
+The rows are split into micro-batches. Each micro-batch alternates draft -> verify,
+and the coordinator keeps every micro-batch in flight, so with two of them the
+actors run as a two-stage pipeline:
+
+    draft   | A1 | B1 | A2 | B2 | ...
+    target  |    | A1 | B1 | A2 | ...
+
+The proposal goes from the draft actor to the target actor as an ObjectRef
+argument (object store; never through the coordinator). Per-row bookkeeping
+(RowState: budgets, random streams, stop conditions, statistics) stays here and is
+the engine's own, so the same seeds give the same tokens as SpecEngine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raysd.actors.model_actors import (
+    DraftActor,
+    DrafterSpec,
+    MicroBatchStateLost,
+    MicroBatchUpdate,
+    ModelFactory,
+    TargetActor,
+    VerifyResult,
+)
+from raysd.actors.transport import TransferStats, pickled_nbytes
+from raysd.core.stats import SpecDecodeStats
+from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    num_cpus: float = 1.0
+    num_gpus: float = 1.0  # fractions share one GPU (keep each model within its share); 0 on CPU
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"resources must be >= 0, got {self}")
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError("an actor needs some CPU or GPU (a placement-group bundle cannot be empty)")
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"num_gpus above 1 must be whole, got {self.num_gpus}")
+
+    def bundle(self) -> dict[str, float]:
+        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    num_speculative_tokens: int = 4  # K: drafts per row per step
+    micro_batch_size: int = 8  # rows per micro-batch; waiting requests take freed slots
+    num_micro_batches: int = 2  # >= 2: one drafts while another verifies
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2048
+    draft_resources: ActorResources = ActorResources()
+    target_resources: ActorResources = ActorResources()
+    placement_strategy: str = "STRICT_PACK"  # both actors on one node
+    max_actor_restarts: int = 3  # Ray restarts a dead actor this many times
+    max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
+    measure_bytes: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
+        if self.micro_batch_size < 1 or self.num_micro_batches < 1:
+            raise ValueError("micro_batch_size and num_micro_batches must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.placement_strategy not in STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}")
+        if self.max_actor_restarts < -1 or self.max_recoveries < 0:
+            raise ValueError("max_actor_restarts must be >= -1 and max_recoveries >= 0")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+@dataclass
+class RunReport:
+    """Where the time and the bytes of one `generate` went.
+
+    busy: seconds each actor spent inside its step method; wall: the coordinator's
+    loop. overlap_efficiency = (draft_busy + target_busy - wall) / min(draft_busy,
+    target_busy): 1 when the shorter side is fully hidden behind the longer one,
+    0 when they ran strictly one after the other, negative when coordination
+    overhead exceeds both.
+    """
+
+    wall_s: float = 0.0
+    draft_busy_s: float = 0.0
+    target_busy_s: float = 0.0
+    steps: int = 0  # micro-batch steps (one target forward each)
+    generated_tokens: int = 0
+    recoveries: int = 0  # times in-flight rows were re-queued after an actor failure
+    transfer: TransferStats = field(default_factory=TransferStats)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        shorter = min(self.draft_busy_s, self.target_busy_s)
+        if shorter <= 0:
+            return 0.0
+        return (self.draft_busy_s + self.target_busy_s - self.wall_s) / shorter
+
+
+@dataclass
+class RunOutput:
+    results: list[GenerationResult]  # in request order
+    report: RunReport
+
+
+@dataclass
+class _MicroBatch:
+    mb_id: int
+    rows: list[tuple[int, RowState]] = field(default_factory=list)  # (request index, row)
+    kept: list[list[int]] = field(default_factory=list)  # tokens to commit before the next step
+    keep: list[int] | None = None  # rows to keep before the next step (None: all)
+    needs_reset: bool = True  # the actors hold no (valid) state for it
+    on_actors: int = 0  # rows the actors hold once kept/keep are applied; the rest are new
+    busy: bool = False
+
+
+@dataclass
+class _Flight:
+    mb: _MicroBatch
+    meta_ref: ray.ObjectRef
+    draft_args_nbytes: int
+    target_args_nbytes: int
+
+
+class SpecCoordinator:
+    """Owns a placement group with one target and one draft actor, and runs requests through them.
+
+    Needs `ray.init()` first. Reusable across `generate` calls; `shutdown()` (or a
+    `with` block) releases the actors and the placement group.
+    """
+
+    def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig):
+        self.config = config
+        self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
+        bundles = [config.target_resources.bundle(), config.draft_resources.bundle()]
+        self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
+        ray.get(self.placement_group.ready())
+        self.target = self._actor(TargetActor, 0, config.target_resources).remote(target_factory)
+        # The draft starts (and loads its model) while the target loads; Ray hands it the
+        # target's vocabulary size once known, and again on every restart.
+        self._vocab_ref = self.target.get_vocab_size.remote()  # held: a restart reads it again
+        self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, self._vocab_ref, config.measure_bytes)
+        self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
+        self.vocab_size = self.target_info.vocab_size
+
+    def _actor(self, cls, bundle_index: int, resources: ActorResources):
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
+        return ray.remote(cls).options(
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            scheduling_strategy=strategy,
+            max_restarts=self.config.max_actor_restarts,
+            max_task_retries=0,  # a lost step is re-run from the rows' start, not retried
+        )
+
+    def __enter__(self) -> "SpecCoordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for actor in (getattr(self, "draft", None), getattr(self, "target", None)):
+            if actor is not None:
+                ray.kill(actor)
+        remove_placement_group(self.placement_group)
+
+    def generate(self, requests: Sequence[Request]) -> RunOutput:
+        """Generate for every request; results come back in request order, one per request."""
+        cfg = self.config
+        report = RunReport()
+        results: dict[int, GenerationResult] = {}
+        waiting: deque[tuple[int, Request]] = deque()
+        for i, req in enumerate(requests):
+            error = request_error(req, self.vocab_size, cfg.max_model_len)
+            if error:
+                stats = SpecDecodeStats(cfg.num_speculative_tokens)
+                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error)
+            else:
+                waiting.append((i, req))
+        mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
+        in_flight: dict[ray.ObjectRef, _Flight] = {}
+        start = time.perf_counter()
+        while waiting or in_flight or any(mb.rows for mb in mbs):
+            # 1. Every idle micro-batch takes waiting rows into free slots and starts its next step.
+            for mb in mbs:
+                if not mb.busy:
+                    self._admit(mb, waiting, mbs)
+                    if mb.rows:
+                        ref, flight = self._submit(mb)
+                        in_flight[ref] = flight
+            # 2. Whichever verification ends first: emit its tokens, free its finished rows.
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            flight = in_flight.pop(ref)
+            try:
+                result: VerifyResult = ray.get(ref)
+                meta = ray.get(flight.meta_ref)
+            except (RayActorError, MicroBatchStateLost):
+                # 3. An actor died (and is restarting): every micro-batch's state on it is
+                # gone. Re-run their rows from the start; finished results stay.
+                self._recover(mbs, waiting, in_flight, report)
+                continue
+            self._finish_step(flight.mb, result, results, report)
+            report.draft_busy_s += meta.busy_s
+            report.target_busy_s += result.busy_s
+            t = report.transfer
+            t.steps += 1
+            t.proposal += meta.proposal_nbytes
+            t.dense_equivalent += meta.dense_nbytes
+            t.sparse_steps += meta.encoding == "sparse"
+            t.draft_args += flight.draft_args_nbytes
+            t.target_args += flight.target_args_nbytes
+            t.results += pickled_nbytes(result) if cfg.measure_bytes else 0
+        report.wall_s = time.perf_counter() - start
+        assert len(results) == len(requests), "every request yields exactly one result"
+        return RunOutput([results[i] for i in range(len(requests))], report)
+
+    def _admit(self, mb: _MicroBatch, waiting: deque, mbs: list[_MicroBatch]) -> None:
+        """Fill free slots, sharing what is left evenly between micro-batches so both stay busy."""
+        cfg = self.config
+        if not mb.rows:  # empty: drop its old caches rather than select([]) them
+            mb.needs_reset, mb.kept, mb.keep, mb.on_actors = True, [], None, 0
+        unfinished = len(waiting) + sum(len(m.rows) for m in mbs)
+        share = min(cfg.micro_batch_size, math.ceil(unfinished / len(mbs)))
+        while waiting and len(mb.rows) < share:
+            i, req = waiting.popleft()
+            row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), cfg.max_model_len)
+            mb.rows.append((i, row))
+
+    def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:
+        K = self.config.num_speculative_tokens
+        rows = [row for _, row in mb.rows]
+        update = MicroBatchUpdate(
+            reset=mb.needs_reset,
+            kept=tuple(tuple(k) for k in mb.kept),
+            keep=None if mb.keep is None else tuple(mb.keep),
+            new_rows=tuple((row.request.prompt_token_ids, row.request.params) for row in rows[mb.on_actors :]),
+        )
+        max_drafts = [row.max_drafts() for row in rows]
+        uniforms = torch.stack([row.uniforms() for row in rows]).numpy()  # [B, 2K + 1]
+        draft_u = np.ascontiguousarray(uniforms[:, :K])  # [B, K]
+        verify_u = np.ascontiguousarray(uniforms[:, K:])  # [B, K + 1]
+        proposal_ref, meta_ref = self.draft.propose.options(num_returns=2).remote(mb.mb_id, update, max_drafts, draft_u)
+        verify_ref = self.target.verify.remote(mb.mb_id, update, proposal_ref, verify_u)
+        mb.busy, mb.needs_reset, mb.kept, mb.keep, mb.on_actors = True, False, [], None, len(rows)
+        measure = self.config.measure_bytes
+        draft_nbytes = pickled_nbytes((mb.mb_id, update, max_drafts, draft_u)) if measure else 0
+        target_nbytes = pickled_nbytes((mb.mb_id, update, verify_u)) if measure else 0
+        return verify_ref, _Flight(mb, meta_ref, draft_nbytes, target_nbytes)
+
+    def _finish_step(self, mb: _MicroBatch, out: VerifyResult, results: dict, report: RunReport) -> None:
+        mb.busy = False
+        kept = []
+        for (_, row), new, n_draft, n_acc, ov in zip(mb.rows, out.tokens, out.drafted, out.accepted, out.overlaps):
+            row.stats.observe(n_draft, n_acc, ov)
+            kept.append(row.append(new))
+        keep = [k for k, (_, row) in enumerate(mb.rows) if row.finish_reason is None]
+        for i, row in mb.rows:
+            if row.finish_reason is not None:
+                results[i] = row.result()
+                report.generated_tokens += len(row.output)
+        mb.kept = kept
+        mb.keep = keep if len(keep) < len(mb.rows) else None
+        mb.rows = [mb.rows[k] for k in keep]
+        mb.on_actors = len(mb.rows)
+        report.steps += 1
+        self.steps_completed += 1
+
+    def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: dict, report: RunReport) -> None:
+        report.recoveries += 1
+        if report.recoveries > self.config.max_recoveries:
+            raise RuntimeError(f"actors failed {report.recoveries} times in one run; giving up")
+        requeue = sorted((i, row.request) for mb in mbs for i, row in mb.rows)
+        waiting.extendleft(reversed(requeue))  # fresh RowState on admission: same seed, same output
+        for mb in mbs:
+            mb.rows, mb.kept, mb.keep, mb.needs_reset, mb.busy, mb.on_actors = [], [], None, True, False, 0
+        in_flight.clear()  # stale steps: later calls reset the micro-batches, in order after them
+        self._wait_for_actors()
+
+    def _wait_for_actors(self, timeout_s: float = 120.0) -> None:
+        """Block until both actors answer again (Ray restarts them; calls made to a dying
+        process would fail and burn a recovery each)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()], timeout=30)
+                return
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)

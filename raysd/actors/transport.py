@@ -1,0 +1,121 @@
+"""What crosses from the draft actor to the target actor each step, and how many bytes it takes.
+
+Verification needs the draft tokens, how many each row drafted, and the
+distribution each draft was drawn from (`draft_probs` [B, K, V]). Dense, that is
+B * K * V * 4 bytes: 82 MB for B=32, K=5, V=128k. Most drafters draw from an
+exactly sparse distribution (greedy and n-gram: one-hot; top-k: k entries; an
+explicit `draft_top_m`: m entries), so the proposal travels as the M largest
+entries of each position (indices + float32 values) whenever that is smaller than
+dense. Decoding scatters them back into zeros, bit for bit the tensor the drafter
+produced, so the rejection test sees exactly what it would in one process.
+
+Positions past a row's num_draft_tokens are zeroed before encoding: the rejection
+test never reads them (see raysd.core.rejection), and the overlap there is cut by
+VerifyOutput.per_row.
+
+The wire format holds numpy arrays: pickle protocol 5 (what Ray uses) sends them as
+out-of-band buffers without a copy, and `pickled_nbytes` counts them the same way.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from raysd.engine.drafters import Proposal
+
+ProbsEncoding = Literal["auto", "dense", "sparse"]
+ENCODINGS = ("auto", "dense", "sparse")
+
+
+@dataclass(frozen=True)
+class WireProposal:
+    draft_token_ids: np.ndarray  # [B, K] int32
+    num_draft_tokens: np.ndarray  # [B] int32
+    vocab_size: int
+    dense: np.ndarray | None = None  # [B, K, V] float32, or None when sparse
+    index: np.ndarray | None = None  # [B, K, M] int32 token ids of the M kept entries
+    value: np.ndarray | None = None  # [B, K, M] float32 their probabilities (0 on padding)
+
+    @property
+    def encoding(self) -> str:
+        return "dense" if self.dense is not None else "sparse"
+
+
+def encode_proposal(proposal: Proposal, encoding: ProbsEncoding = "auto") -> WireProposal:
+    """Lossless: `decode_proposal(encode_proposal(p))` gives p's tokens, counts, and
+    draft_probs equal at every drafted position (zero elsewhere)."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+    ids, num, probs = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs
+    B, K, V = probs.shape
+    drafted = torch.arange(K, device=probs.device)[None, :] < num[:, None]  # [B, K]
+    probs = torch.where(drafted[..., None], probs, 0.0)  # [B, K, V]
+    wire_ids = ids.to(torch.int32).cpu().numpy()
+    wire_num = num.to(torch.int32).cpu().numpy()
+    M = int((probs > 0).sum(dim=-1).max()) if probs.numel() else 0  # most nonzeros at any position
+    sparse_smaller = M * 8 < V * 4  # int32 index + float32 value per kept entry
+    if encoding == "dense" or (encoding == "auto" and not sparse_smaller):
+        return WireProposal(wire_ids, wire_num, V, dense=probs.float().cpu().numpy())
+    # topk returns M distinct indices per position, so zero-valued padding never
+    # lands on a kept entry when scattered back.
+    value, index = probs.topk(M, dim=-1) if M else (probs[..., :0], probs[..., :0].long())  # [B, K, M]
+    return WireProposal(wire_ids, wire_num, V, index=index.to(torch.int32).cpu().numpy(), value=value.float().cpu().numpy())
+
+
+def decode_proposal(wire: WireProposal, device: torch.device | str = "cpu") -> Proposal:
+    ids = torch.as_tensor(wire.draft_token_ids.astype(np.int64), device=device)  # [B, K]
+    num = torch.as_tensor(wire.num_draft_tokens.astype(np.int64), device=device)  # [B]
+    if wire.dense is not None:
+        probs = torch.tensor(wire.dense, device=device)  # [B, K, V]
+    else:
+        B, K = ids.shape
+        index = torch.as_tensor(wire.index.astype(np.int64), device=device)  # [B, K, M]
+        value = torch.tensor(wire.value, device=device)  # [B, K, M]
+        probs = torch.zeros(B, K, wire.vocab_size, device=device).scatter_(-1, index, value)
+    return Proposal(ids, num, probs)
+
+
+def pickled_nbytes(obj) -> int:
+    """Bytes `obj` takes pickled with protocol 5, out-of-band buffers (numpy arrays)
+    counted at their size without copying them."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(head) + sum(b.raw().nbytes for b in buffers)
+
+
+def dense_probs_nbytes(batch_size: int, num_drafts: int, vocab_size: int) -> int:
+    """The float32 draft_probs [B, K, V] alone: what a dense proposal costs at least."""
+    return batch_size * num_drafts * vocab_size * 4
+
+
+@dataclass
+class TransferStats:
+    """Bytes crossing actor boundaries over a run, as pickled (see pickled_nbytes).
+
+    proposal: draft actor -> target actor (through the object store, never the coordinator).
+    dense_equivalent: what the proposals' draft_probs would have cost dense.
+    draft_args / target_args: coordinator -> actor (row updates, budgets, uniforms).
+    results: target actor -> coordinator (ragged tokens and statistics).
+    """
+
+    steps: int = 0
+    proposal: int = 0
+    dense_equivalent: int = 0
+    draft_args: int = 0
+    target_args: int = 0
+    results: int = 0
+    sparse_steps: int = 0  # steps whose proposal travelled sparse
+
+    @property
+    def total(self) -> int:
+        return self.proposal + self.draft_args + self.target_args + self.results
+
+    def per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        fields = ("proposal", "dense_equivalent", "draft_args", "target_args", "results", "total")
+        return {name: getattr(self, name) / n for name in fields}

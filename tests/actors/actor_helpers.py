@@ -1,0 +1,43 @@
+"""Shared pieces of the actor tests: a local Ray, picklable tiny-model factories, references."""
+
+from __future__ import annotations
+
+import functools
+
+import ray
+import torch
+
+import tests.conftest as conftest
+from tests.conftest import EOS, VOCAB, tiny_model
+from raysd.core.sampling import SamplingParams
+from raysd.engine.rows import Request
+
+# Ray workers cannot import the tests' conftest module; ship tiny_model by value.
+ray.cloudpickle.register_pickle_by_value(conftest)
+
+
+def factory(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
+    return functools.partial(tiny_model, arch, seed, vocab=vocab)
+
+
+def start_ray() -> None:
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+def random_prompts(n: int, seed: int = 0, vocab: int = VOCAB, max_len: int = 10) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def requests(prompts, **params) -> list[Request]:
+    """One request per prompt; `seed` defaults to the request's index."""
+    return [Request(i, p, SamplingParams(**{"seed": i, **params})) for i, p in enumerate(prompts)]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

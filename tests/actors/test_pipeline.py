@@ -1,0 +1,191 @@
+"""End to end through a local Ray: the two-actor pipeline gives the single-process
+engine's tokens (greedy and seeded sampling), refills slots, reports bytes and
+overlap, keeps the target distribution, and survives a killed actor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from scipy import stats
+
+from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator, TopMDraftModelDrafter
+from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
+from tests.conftest import EOS, VOCAB, tiny_model
+
+pytestmark = pytest.mark.slow
+CPU = ActorResources(num_cpus=1, num_gpus=0)
+K = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    start_ray()
+    yield
+    ray.shutdown()
+
+
+def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0)) -> SpecCoordinator:
+    cfg = CoordinatorConfig(num_speculative_tokens=k, micro_batch_size=micro_batch_size, eos_token_ids=(EOS,),
+                            draft_resources=CPU, target_resources=CPU)
+    return SpecCoordinator(target, draft, cfg)
+
+
+@pytest.fixture(scope="module")
+def random_draft():
+    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
+        yield c
+
+
+def _engine(drafter, k=K, batch=3, target_seed=0, vocab=VOCAB):
+    return SpecEngine(tiny_model("llama", target_seed, vocab=vocab), drafter, EngineConfig(k, batch, (EOS,)))
+
+
+def _tokens(results):
+    return [r.token_ids for r in results]
+
+
+def test_greedy_random_draft_matches_engine_and_target(random_draft):
+    reqs = requests(random_prompts(10, seed=1), max_new_tokens=12)
+    out = random_draft.generate(reqs)
+    engine = _engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs)
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results) == _tokens(engine)
+    assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in reqs]
+    assert [r.stats.num_accepted_draft_tokens for r in out.results] == [r.stats.num_accepted_draft_tokens for r in engine]
+    # Bytes: greedy drafts are one-hot, so every proposal travels sparse.
+    t = out.report.transfer
+    assert t.steps == out.report.steps > 0 and t.sparse_steps == t.steps
+    assert 0 < t.proposal < t.dense_equivalent / 4
+    print("greedy bytes/step", t.per_step())
+
+
+def test_seeded_sampling_matches_engine(random_draft):
+    prompts = random_prompts(8, seed=2)
+    reqs = requests(prompts[:4], temperature=1.0, max_new_tokens=10)
+    reqs += [Request(10 + i, p, SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=100 + i, max_new_tokens=10))
+             for i, p in enumerate(prompts[4:])]
+    out = random_draft.generate(reqs)
+    engine = _engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs)
+    assert _tokens(out.results) == _tokens(engine)
+    again = random_draft.generate(reqs)  # same seeds, same tokens, whatever the scheduling
+    assert _tokens(again.results) == _tokens(out.results)
+    # Full-support draws travel dense; top-k rows alone would be sparse.
+    t = out.report.transfer
+    assert t.sparse_steps < t.steps
+
+
+def test_top_k_rows_travel_sparse(random_draft):
+    reqs = requests(random_prompts(6, seed=3), temperature=1.0, top_k=5, max_new_tokens=8)
+    t = random_draft.generate(reqs).report.transfer
+    assert t.sparse_steps == t.steps and t.proposal < t.dense_equivalent / 2
+
+
+def test_continuous_refill_and_overlap_report(random_draft):
+    # 14 requests for 2 x 3 slots, budgets from 1 to 27 tokens, one invalid prompt.
+    prompts = random_prompts(14, seed=4)
+    reqs = [Request(i, p, SamplingParams(max_new_tokens=1 + 2 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs.append(Request("bad", [], SamplingParams()))
+    out = random_draft.generate(reqs)
+    assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
+    assert out.results[-1].finish_reason == "error"
+    good = out.results[:-1]
+    assert [len(r.token_ids) for r in good] == [1 + 2 * i for i in range(14)]
+    target = tiny_model("llama", 0)
+    expected = [hf_greedy(target, p, 1 + 2 * i) for i, p in enumerate(prompts)]
+    # hf_greedy stops at EOS; ignore_eos rows go on, so compare up to the first EOS.
+    for got, exp in zip(_tokens(good), expected):
+        assert got[: len(exp)] == exp
+    assert _tokens(good) == _tokens(_engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs[:-1]))
+    # No micro-batch waits for its longest row: a waiting request starts as soon as a
+    # slot frees, so the run needs far fewer steps than batches padded to their longest row.
+    report = out.report
+    static_steps = sum(max(1 + 2 * i for i in range(j, min(j + 3, 14))) for j in range(0, 14, 3))
+    assert report.steps < static_steps
+    assert report.draft_busy_s > 0 and report.target_busy_s > 0 and report.wall_s > 0
+    assert -1.0 <= report.overlap_efficiency <= 1.0
+    print(f"overlap: draft {report.draft_busy_s:.3f}s target {report.target_busy_s:.3f}s "
+          f"wall {report.wall_s:.3f}s efficiency {report.overlap_efficiency:.2f}")
+
+
+def test_draft_equal_to_target_accepts_everything():
+    reqs = requests(random_prompts(6, seed=5), max_new_tokens=13)
+    with _coordinator(DrafterSpec(factory("llama", 0))) as c:
+        out = c.generate(reqs)
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 13) for r in reqs]
+    for r in out.results:
+        assert r.stats.num_draft_tokens > 0 and r.stats.num_accepted_draft_tokens == r.stats.num_draft_tokens
+
+
+def test_ngram_drafter_k1():
+    base = random_prompts(6, seed=6)
+    prompts = [p + p for p in base]  # repeats give the lookup something to find
+    reqs = requests(prompts, max_new_tokens=10)
+    with _coordinator(DrafterSpec(None), k=1, micro_batch_size=2) as c:
+        out = c.generate(reqs)
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results) == [hf_greedy(target, p, 10) for p in prompts]
+    assert _tokens(out.results) == _tokens(_engine(NgramDrafter(VOCAB), k=1, batch=2).generate(reqs))
+    assert out.report.transfer.sparse_steps == out.report.transfer.steps
+
+
+def test_top_m_draft_keeps_the_target_distribution():
+    """First generated token at temperature 1 over many seeds, with one draft per row
+    from a top-2 truncated draft: chi-square against the target's softmax."""
+    V, n, m = 16, 1200, 2
+    prompt = [3, 7, 5]
+    spec = DrafterSpec(factory("llama", 4, vocab=V), draft_top_m=m)
+    reqs = [Request(s, prompt, SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True)) for s in range(n)]
+    with _coordinator(spec, k=1, micro_batch_size=64, target=factory("llama", 3, vocab=V)) as c:
+        out = c.generate(reqs)
+    target = tiny_model("llama", 3, vocab=V)
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt])).logits[0, -1]
+    p = logits_to_probs(logits[None], SamplingTensors.from_params([SamplingParams(temperature=1.0)]))[0].double().numpy()
+    first = np.bincount([r.token_ids[0] for r in out.results], minlength=V)
+    assert sum(r.stats.num_draft_tokens for r in out.results) == n  # every row's first token was a draft
+    assert sum(r.stats.num_accepted_draft_tokens for r in out.results) < n  # and some were rejected
+    chi = stats.chisquare(first, p / p.sum() * n)
+    assert chi.pvalue > 1e-3, (first, p * n)
+    # Exactness through the truncating wrapper: same tokens as the engine with it.
+    drafter = TopMDraftModelDrafter(tiny_model("llama", 4, vocab=V), V, m)
+    engine = SpecEngine(target, drafter, EngineConfig(1, 64, (EOS,))).generate(reqs[:200])
+    assert _tokens(out.results[:200]) == _tokens(engine)
+    assert out.report.transfer.sparse_steps == out.report.transfer.steps
+
+
+def test_killed_actors_rerun_their_rows(random_draft):
+    """SIGKILL the target mid-run, then the draft mid-run: Ray restarts each, the
+    rows in flight re-run from their start, every request yields one correct result."""
+    reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
+    clean = _tokens(random_draft.generate(reqs).results)
+    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
+        for actor in (c.target, c.draft):
+            pid = ray.get(actor.info.remote()).pid
+            box = {}
+            runner = threading.Thread(target=lambda: box.setdefault("out", c.generate(reqs)))
+            start_steps = c.steps_completed
+            runner.start()
+            deadline = time.monotonic() + 60
+            while c.steps_completed < start_steps + 4 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGKILL)
+            runner.join(timeout=150)
+            assert not runner.is_alive()
+            out = box["out"]
+            assert out.report.recoveries >= 1
+            assert ray.get(actor.info.remote()).pid != pid  # restarted
+            assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
+            assert _tokens(out.results) == clean
+            assert all(len(r.token_ids) == 24 for r in out.results)

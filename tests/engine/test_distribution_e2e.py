@@ -1,0 +1,69 @@
+"""Through the whole engine (draft model, KV caches, rejection test), sampled output
+follows the target's law: the joint law of the first two generated tokens is
+compared with the exact law computed from the target alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from tests.conftest import tiny_model
+
+V = 8
+N = 6000  # samples; 64 cells of ~94 expected counts each
+
+
+def exact_joint(target, prompt, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2) = P(t1 | prompt) P(t2 | prompt, t1) under the same temperature/top-k/top-p."""
+    sampling = SamplingTensors.from_params([params])
+    with torch.no_grad():
+        first = logits_to_probs(target(torch.tensor([prompt])).logits[:, -1], sampling)[0]
+        seconds = torch.stack([
+            logits_to_probs(target(torch.tensor([prompt + [t]])).logits[:, -1], sampling)[0] for t in range(V)
+        ])
+    return (first[:, None] * seconds).double().numpy()  # [V, V]
+
+
+def copyable_prompt(target) -> list[int]:
+    """[3, 5, t, 3, 5] with t the token the target most likes there: the n-gram drafter
+    then proposes t, which the target often accepts."""
+    with torch.no_grad():
+        scores = [torch.softmax(target(torch.tensor([[3, 5, t, 3, 5]])).logits[0, -1], -1)[t] for t in range(V)]
+    t = int(torch.stack(scores).argmax())
+    return [3, 5, t, 3, 5]
+
+
+@pytest.mark.parametrize("drafter_kind,k", [("model", 2), ("model", 4), ("ngram", 3)])
+def test_joint_law_of_two_tokens_matches_target(drafter_kind, k):
+    target = tiny_model("llama", seed=11, vocab=V)
+    draft = tiny_model("llama", seed=12, layers=1, vocab=V)
+    prompt = copyable_prompt(target)
+    base = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_new_tokens=2, ignore_eos=True)
+    drafter = DraftModelDrafter(draft, V) if drafter_kind == "model" else NgramDrafter(V)
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000))
+    reqs = [Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 10_000 + i})) for i in range(N)]
+    results = engine.generate(reqs)
+    counts = np.zeros((V, V))
+    for r in results:
+        assert len(r.token_ids) == 2
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    expected = exact_joint(target, prompt, base) * N
+    support = expected.ravel() > 0
+    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
+    # Merge sparse cells so every expected count is >= 5 (chi-square validity).
+    exp, obs = expected.ravel()[support], counts.ravel()[support]
+    small = exp < 5
+    exp = np.append(exp[~small], exp[small].sum()) if small.any() else exp
+    obs = np.append(obs[~small], obs[small].sum()) if small.any() else obs
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    # Total variation: with N samples over m cells E[TV] <= sqrt(m / N) / 2; allow 2x that.
+    tv = 0.5 * np.abs(counts / N - expected / N).sum()
+    assert tv < np.sqrt(support.sum() / N)
+    accepted = sum(r.stats.num_accepted_draft_tokens for r in results)
+    assert accepted > 0  # the drafts were really used, not all rejected
