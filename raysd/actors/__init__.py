@@ -1,7 +1,7 @@
 """Draft and target in separate Ray actors, drafting overlapped with batched verification."""
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, RunOutput, RunReport, SpecCoordinator
-from raysd.actors.model_actors import DrafterSpec, TopMDraftModelDrafter
+from raysd.actors.model_actors import DrafterSpec
 from raysd.actors.transport import TransferStats, decode_proposal, encode_proposal, pickled_nbytes
 
 __all__ = [
@@ -11,7 +11,6 @@ __all__ = [
     "RunOutput",
     "RunReport",
     "SpecCoordinator",
-    "TopMDraftModelDrafter",
     "TransferStats",
     "decode_proposal",
     "encode_proposal",

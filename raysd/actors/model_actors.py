@@ -39,7 +39,7 @@ class DrafterSpec:
     """How the draft actor builds its drafter; picklable."""
 
     model_factory: ModelFactory | None = None  # None: n-gram prompt lookup, no model
-    draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see TopMDraftModelDrafter)
+    draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see DraftModelDrafter)
     min_ngram: int = 1
     max_ngram: int = 3
     probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
@@ -57,33 +57,7 @@ class DrafterSpec:
     def build(self, model: PreTrainedModel | None, target_vocab_size: int, device: torch.device) -> Drafter:
         if model is None:
             return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
-        if self.draft_top_m:
-            return TopMDraftModelDrafter(model, target_vocab_size, self.draft_top_m)
-        return DraftModelDrafter(model, target_vocab_size)
-
-
-class TopMDraftModelDrafter(DraftModelDrafter):
-    """A draft model that samples from its top-m logits only (the rest at -inf before
-    temperature, top-k and top-p). Exact: the rejection test is given the distribution
-    the draft was really drawn from, and that one has at most m nonzeros, so it
-    travels sparse. Greedy drafts are unchanged (the argmax is in the top m)."""
-
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int, top_m: int):
-        if top_m < 1:
-            raise ValueError(f"top_m must be >= 1, got {top_m}")
-        super().__init__(model, target_vocab_size, name=f"draft-model-top{top_m}")
-        self.top_m = top_m
-
-    # NOTE(actors): DraftModelDrafter feeds `_widen(logits)` straight into
-    # logits_to_probs, both to sample and to report draft_probs, so truncating here
-    # changes the two together. A public logits hook on DraftModelDrafter would
-    # make this less fragile (see docs/actors.md).
-    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
-        wide = super()._widen(logits)  # [B, V]
-        if self.top_m >= wide.shape[-1]:
-            return wide
-        index = wide.topk(self.top_m, dim=-1).indices  # [B, m]
-        return torch.full_like(wide, float("-inf")).scatter_(-1, index, wide.gather(-1, index))
+        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m)
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,19 @@ class NoDrafter(Drafter):
 
 
 class DraftModelDrafter(Drafter):
-    """A smaller (or cheaper) causal LM sampled autoregressively with the rows' own parameters."""
+    """A smaller (or cheaper) causal LM sampled autoregressively with the rows' own parameters.
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model"):
+    `draft_top_m` > 0 makes the draft sample from its m largest logits only (the rest
+    at -inf before temperature, top-k and top-p). Still exact: the rejection test gets
+    the distribution the draft was really drawn from, which then has at most m
+    nonzeros and crosses between actors sparse. Greedy drafts are unchanged.
+    """
+
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0):
+        if draft_top_m < 0:
+            raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
+        self.draft_top_m = draft_top_m
         self.target_vocab_size = target_vocab_size
         own_vocab = model.get_output_embeddings().weight.shape[0]
         # Drafts outside the target's vocabulary could never be accepted; a narrower
@@ -103,7 +112,7 @@ class DraftModelDrafter(Drafter):
         logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones)[:, 0]  # [B, V']
         tokens, probs = [], []
         for i in range(K):
-            p = logits_to_probs(self._widen(logits), sampling)  # [B, V]
+            p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
             t = sample_from_probs(p, uniforms[:, i])  # [B]
             tokens.append(t)
             probs.append(p)
@@ -112,11 +121,15 @@ class DraftModelDrafter(Drafter):
         num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1))
 
-    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+    def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V'] draft logits -> [B, V] over the target's vocabulary, top-m applied."""
         missing = self.target_vocab_size - logits.shape[-1]
-        if missing == 0:
-            return logits
-        return torch.cat([logits, logits.new_full((logits.shape[0], missing), float("-inf"))], dim=-1)
+        if missing:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], missing), float("-inf"))], dim=-1)
+        if 0 < self.draft_top_m < logits.shape[-1]:
+            index = logits.topk(self.draft_top_m, dim=-1).indices  # [B, m]
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, index, logits.gather(-1, index))
+        return logits
 
 
 class NgramDrafter(Drafter):

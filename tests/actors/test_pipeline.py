@@ -15,7 +15,7 @@ import ray
 import torch
 from scipy import stats
 
-from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator, TopMDraftModelDrafter
+from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
@@ -159,7 +159,7 @@ def test_top_m_draft_keeps_the_target_distribution():
     chi = stats.chisquare(first, p / p.sum() * n)
     assert chi.pvalue > 1e-3, (first, p * n)
     # Exactness through the truncating wrapper: same tokens as the engine with it.
-    drafter = TopMDraftModelDrafter(tiny_model("llama", 4, vocab=V), V, m)
+    drafter = DraftModelDrafter(tiny_model("llama", 4, vocab=V), V, draft_top_m=m)
     engine = SpecEngine(target, drafter, EngineConfig(1, 64, (EOS,))).generate(reqs[:200])
     assert _tokens(out.results[:200]) == _tokens(engine)
     assert out.report.transfer.sparse_steps == out.report.transfer.steps

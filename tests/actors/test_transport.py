@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import VOCAB, tiny_model
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig
-from raysd.actors.model_actors import DrafterSpec, MicroBatchStateLost, MicroBatchUpdate, TopMDraftModelDrafter, _MicroBatchStore
+from raysd.actors.model_actors import DrafterSpec, MicroBatchStateLost, MicroBatchUpdate, _MicroBatchStore
 from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal, pickled_nbytes
 from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
@@ -76,7 +76,7 @@ def test_top_m_drafter_samples_from_its_reported_top_m():
     params = [SamplingParams(temperature=t, seed=b) for b, t in enumerate([1.0, 0.0, 0.7, 1.0, 2.0, 0.0])]
     sampling = SamplingTensors.from_params(params)
     u = torch.rand(B, K, generator=torch.Generator().manual_seed(0))
-    top = TopMDraftModelDrafter(model, VOCAB, m)
+    top = DraftModelDrafter(model, VOCAB, draft_top_m=m)
     full = DraftModelDrafter(model, VOCAB)
     for d in (top, full):
         d.add_rows(prompts)

@@ -1,0 +1,5 @@
+import sys
+
+from raysd.cli import main
+
+sys.exit(main())
