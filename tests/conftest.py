@@ -34,6 +34,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab: int =
     return model.eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models are all per-op overhead; extra threads only oversubscribe the 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default target (fp32), loaded once per test session."""

@@ -67,7 +67,7 @@ class CoordinatorConfig:
     micro_batch_size: int = 8  # rows per micro-batch; waiting requests take freed slots
     num_micro_batches: int = 2  # >= 2: one drafts while another verifies
     eos_token_ids: tuple[int, ...] = ()
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the models' own context
     draft_resources: ActorResources = ActorResources()
     target_resources: ActorResources = ActorResources()
     placement_strategy: str = "STRICT_PACK"  # both actors on one node
@@ -80,7 +80,7 @@ class CoordinatorConfig:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
             raise ValueError("micro_batch_size and num_micro_batches must be >= 1")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.placement_strategy not in STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}")
@@ -161,6 +161,8 @@ class SpecCoordinator:
         self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, self._vocab_ref, config.measure_bytes)
         self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
         self.vocab_size = self.target_info.vocab_size
+        limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
+        self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
 
     def _actor(self, cls, bundle_index: int, resources: ActorResources):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
@@ -191,7 +193,7 @@ class SpecCoordinator:
         results: dict[int, GenerationResult] = {}
         waiting: deque[tuple[int, Request]] = deque()
         for i, req in enumerate(requests):
-            error = request_error(req, self.vocab_size, cfg.max_model_len)
+            error = request_error(req, self.vocab_size, self.max_model_len)
             if error:
                 stats = SpecDecodeStats(cfg.num_speculative_tokens)
                 results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error)
@@ -243,7 +245,7 @@ class SpecCoordinator:
         share = min(cfg.micro_batch_size, math.ceil(unfinished / len(mbs)))
         while waiting and len(mb.rows) < share:
             i, req = waiting.popleft()
-            row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), cfg.max_model_len)
+            row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), self.max_model_len)
             mb.rows.append((i, row))
 
     def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from raysd.engine.verifier import TargetVerifier
+from raysd.models.loading import max_model_len
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
 ModelFactory = Callable[[], PreTrainedModel]  # picklable, e.g. functools.partial(load_model, spec)
@@ -123,6 +124,7 @@ class ActorInfo:
     pid: int
     device: str
     vocab_size: int
+    max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ class DraftActor:
         self.store = _MicroBatchStore(lambda: spec.build(self.model, target_vocab_size, self.device))
 
     def info(self) -> ActorInfo:
-        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size)
+        limit = max_model_len(self.model) if self.model is not None else 2**31 - 1
+        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit)
 
     def propose(
         self,
@@ -179,7 +182,7 @@ class TargetActor:
         self.vocab_size = TargetVerifier(self.model).vocab_size
 
     def info(self) -> ActorInfo:
-        return ActorInfo(os.getpid(), str(self.device), self.vocab_size)
+        return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model))
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

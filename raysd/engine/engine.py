@@ -4,6 +4,7 @@ and one drafter. The Ray coordinator runs the same step with the two halves in a
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,6 +26,9 @@ class EngineConfig:
     max_batch_size: int = 8  # rows decoded together; waiting requests take freed slots
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int | None = None  # prompt + generated tokens per row; None: the models' own limit
+    # Capacity planning only: accept each draft with this probability instead of the rejection
+    # test. Outputs then do NOT follow the target distribution; None (default) is exact.
+    synthetic_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -33,7 +37,21 @@ class EngineConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        rate = self.synthetic_acceptance_rate
+        if rate is not None and (isinstance(rate, bool) or not 0.0 <= rate <= 1.0):
+            raise ValueError(f"synthetic_acceptance_rate must be None or in [0, 1], got {rate!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+class SyntheticAcceptanceWarning(UserWarning):
+    """Raised (as a warning) whenever an engine runs in synthetic-acceptance mode."""
+
+
+@dataclass
+class SyntheticGenerationResult(GenerationResult):
+    """A result of synthetic-acceptance mode: its tokens do NOT follow the target distribution."""
+
+    synthetic: bool = True
 
 
 @dataclass
@@ -56,6 +74,13 @@ class SpecEngine:
             limits.append(max_model_len(drafter.seqs.runner.model))
         self.max_model_len = min(limits)
         self.timings = EngineTimings()
+        if config.synthetic_acceptance_rate is not None:
+            warnings.warn(
+                f"SYNTHETIC ACCEPTANCE MODE (rate {config.synthetic_acceptance_rate}): drafts are accepted at random, "
+                "outputs do NOT follow the target distribution; use for step-cost measurements only",
+                SyntheticAcceptanceWarning,
+                stacklevel=2,
+            )
 
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
         """Generate for every request; results come back in request order."""
@@ -65,7 +90,7 @@ class SpecEngine:
         for i, req in enumerate(requests):
             error = request_error(req, self.vocab_size, self.max_model_len)
             if error:
-                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error)
+                results[i] = self._flag(GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error))
             else:
                 waiting.append((i, req))
         active: list[tuple[int, RowState]] = []
@@ -84,7 +109,7 @@ class SpecEngine:
             keep = [k for k, (_, row) in enumerate(active) if row.finish_reason is None]
             for i, row in active:
                 if row.finish_reason is not None:
-                    results[i] = row.result()
+                    results[i] = self._flag(row.result())
                     self.timings.generated_tokens += len(row.output)
             if len(keep) < len(active):
                 active = [active[k] for k in keep]
@@ -93,6 +118,11 @@ class SpecEngine:
         self.timings.wall_s += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]
 
+    def _flag(self, result: GenerationResult) -> GenerationResult:
+        if self.config.synthetic_acceptance_rate is None:
+            return result
+        return SyntheticGenerationResult(**vars(result))
+
     def step(self, rows: list[RowState]) -> None:
         """One speculative step for every row: propose, verify, emit, roll back."""
         K = self.config.num_speculative_tokens
@@ -100,6 +130,11 @@ class SpecEngine:
         # 1. Per-row budgets and random draws (from each row's own generator).
         max_drafts = [row.max_drafts() for row in rows]
         uniforms = torch.stack([row.uniforms() for row in rows]).to(device)  # [B, 2K + 1]
+        rate = self.config.synthetic_acceptance_rate
+        if rate is not None:  # greedy rows draw no uniforms; synthetic acceptance still needs them
+            for b, row in enumerate(rows):
+                if row.request.params.greedy:
+                    uniforms[b, K : 2 * K] = torch.rand(K, generator=row.generator).to(device)
         sampling = SamplingTensors.from_params([row.request.params for row in rows], device)
         # 2. Draft.
         t0 = time.perf_counter()
@@ -107,7 +142,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         # 3. Verify: one target pass over K + 1 positions, then the rejection test.
         Kp = proposal.draft_token_ids.shape[1]
-        out = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K])
+        out = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate)
         tokens, tested, accepted, overlaps = out.per_row()
         t2 = time.perf_counter()
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.

@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from raysd.core.rejection import RejectionOutput, draft_target_overlap, rejection_sample
-from raysd.core.sampling import SamplingTensors, logits_to_probs
+from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_target_overlap, rejection_sample
+from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.drafters import Proposal
 from raysd.engine.sequences import SequenceState
 from raysd.models.runner import ModelRunner
@@ -48,14 +48,45 @@ class TargetVerifier:
         sampling: SamplingTensors,
         accept_uniforms: torch.Tensor,  # [B, K]
         final_uniforms: torch.Tensor,  # [B]
+        synthetic_acceptance_rate: float | None = None,
     ) -> VerifyOutput:
         """One target forward over each row's last token plus its drafts (K + 1 logits), then
-        the rejection test."""
+        the rejection test, or, with `synthetic_acceptance_rate`, the synthetic accept rule
+        (see `synthetic_accept`; its output does NOT follow the target distribution)."""
         ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
         logits = self.seqs.feed(ids, num, num + 1)  # [B, n, V] with n = max(num) + 1
         K = ids.shape[1]
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
         target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
-        rejection = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_uniforms, final_uniforms)
+        if synthetic_acceptance_rate is None:
+            rejection = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_uniforms, final_uniforms)
+        else:
+            rejection = synthetic_accept(ids, num, target_probs, accept_uniforms, final_uniforms, synthetic_acceptance_rate)
         return VerifyOutput(rejection, draft_target_overlap(proposal.draft_probs, target_probs))
+
+
+def synthetic_accept(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64, each in 0..K
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    accept_uniforms: torch.Tensor,  # [B, K] in [0, 1)
+    final_uniforms: torch.Tensor,  # [B] in [0, 1)
+    rate: float,
+) -> RejectionOutput:
+    """Capacity-planning stand-in for the rejection test (vLLM's "synthetic" acceptance):
+    draft i is accepted iff accept_uniforms[:, i] < rate, whatever the two models say; the
+    accepted prefix is kept as usual and the next token is drawn from the target right after
+    it. Steps then cost what they would at acceptance rate `rate`, but the output is NOT
+    distributed as the target's."""
+    B, K = draft_token_ids.shape
+    rows = torch.arange(B, device=target_probs.device)
+    positions = torch.arange(K, device=target_probs.device)
+    drafted = positions[None, :] < num_draft_tokens[:, None]  # [B, K]
+    accepted = drafted & (accept_uniforms < rate)  # [B, K]
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
+    final_tokens = sample_from_probs(target_probs[rows, num_accepted], final_uniforms)  # [B]
+    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
+    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
+    output[rows, num_accepted] = final_tokens
+    return RejectionOutput(output, num_accepted, torch.minimum(num_accepted + 1, num_draft_tokens))

@@ -30,15 +30,6 @@ from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_pr
 V = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than several on a loaded small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 CASES = {  # (temperature, top_k, top_p), shared by draft and target as in the engine
     "plain": (1.0, 0, 1.0),
     "temp": (0.6, 0, 1.0),

@@ -14,15 +14,6 @@ from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_pr
 V = 10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than several on a loaded small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def one_hot(tokens, v=V):
     """[..., V] float32 one-hot rows for a nested list of token ids."""
     t = torch.as_tensor(tokens, dtype=torch.int64)

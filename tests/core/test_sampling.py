@@ -13,15 +13,6 @@ from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 V = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than several on a loaded small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def hf_probs(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """One row through HF's warpers in generate's order (temperature, top-k, top-p), then softmax."""
     scores = logits_row[None].float().clone()

@@ -29,6 +29,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def setup(smollm2):
+    torch.set_num_threads(2)  # a real model uses both cores (the session default is 1)
     model, tok = smollm2
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
@@ -38,7 +39,8 @@ def setup(smollm2):
             model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
             for p in prompts
         ]
-    return model, prompts, expected
+    yield model, prompts, expected
+    torch.set_num_threads(1)
 
 
 def generate(model, drafter, prompts, k, batch_size):

@@ -17,15 +17,6 @@ ARCHS = ["llama", "qwen2", "gpt2"]
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is much faster than several on a loaded small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request):
     return tiny_model(request.param, seed=ARCHS.index(request.param))

@@ -1,0 +1,100 @@
+"""What a generation job is: `GenerateConfig`, validated before anything heavy happens."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from raysd.models.loading import DEFAULT_MODEL, _DTYPES
+
+DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
+DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
+NGRAM, NO_DRAFT = "ngram", "none"  # --draft values that name no model
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class JobError(Exception):
+    """A job that cannot run as asked. The message is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """A `raysd generate` job. Field names follow the CLI flags (`--max-new-tokens` -> max_new_tokens)."""
+
+    input: str
+    output: str
+    prompt_column: str = "prompt"
+    id_column: str = "id"
+    split: str | None = None  # for a `datasets` DatasetDict
+    chat_template: bool = True  # string prompts go through the tokenizer's chat template
+    target: str = DEFAULT_TARGET
+    target_dtype: str = "float32"
+    draft: str = DEFAULT_DRAFT  # HF id or path, "ngram", or "none" (plain autoregressive decoding)
+    draft_dtype: str = "float32"
+    num_speculative_tokens: int = 4
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    batch_size: int = 16  # rows per call on a replica (split into two pipelined micro-batches)
+    replicas: int = 1  # draft/target actor pairs running in parallel
+    num_gpus_per_actor: float = 0.0
+    num_cpus_per_actor: float = 1.0
+    rows_per_file: int = 1024  # completed rows buffered per output Parquet file
+    address: str | None = None  # an existing Ray cluster; None starts a local one
+    overwrite: bool = False
+    quiet: bool = False
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise JobError(message)
+
+        need(bool(self.input), "--input must not be empty")
+        need(bool(self.output), "--output must not be empty")
+        need(bool(self.prompt_column), "--prompt-column must not be empty")
+        need(bool(self.id_column), "--id-column must not be empty")
+        need(self.prompt_column != self.id_column, "--prompt-column and --id-column must differ")
+        need(bool(self.target) and self.target not in (NGRAM, NO_DRAFT), f"--target must name a model, got {self.target!r}")
+        need(bool(self.draft), "--draft must not be empty (use 'none' for plain decoding)")
+        for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
+            need(dtype in _DTYPES, f"{flag} must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        need(0 <= self.num_speculative_tokens <= 64, f"--num-speculative-tokens must be in 0..64, got {self.num_speculative_tokens}")
+        need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        need(self.temperature >= 0 and self.temperature == self.temperature, f"--temperature must be >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        need(self.top_k >= 0, f"--top-k must be >= 0 (0 disables), got {self.top_k}")
+        need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        need(self.num_gpus_per_actor >= 0, f"--num-gpus-per-actor must be >= 0, got {self.num_gpus_per_actor}")
+        need(
+            self.num_gpus_per_actor <= 1 or self.num_gpus_per_actor == int(self.num_gpus_per_actor),
+            f"--num-gpus-per-actor above 1 must be whole, got {self.num_gpus_per_actor}",
+        )
+        need(self.num_cpus_per_actor >= 0, f"--num-cpus-per-actor must be >= 0, got {self.num_cpus_per_actor}")
+        need(
+            self.num_cpus_per_actor > 0 or self.num_gpus_per_actor > 0,
+            "--num-cpus-per-actor and --num-gpus-per-actor cannot both be 0",
+        )
+        need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
+
+    @property
+    def draft_is_model(self) -> bool:
+        return self.draft not in (NGRAM, NO_DRAFT)
+
+    @property
+    def effective_num_speculative_tokens(self) -> int:
+        """K as run: plain decoding drafts nothing."""
+        return 0 if self.draft == NO_DRAFT else self.num_speculative_tokens
+
+    def fingerprint(self) -> dict:
+        """What must match for a re-run to resume into the same output (everything that changes a row)."""
+        keys = ("prompt_column", "id_column", "split", "chat_template", "target", "target_dtype", "draft", "draft_dtype",
+                "num_speculative_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+        return {k: getattr(self, k) for k in keys}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

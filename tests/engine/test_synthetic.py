@@ -1,0 +1,77 @@
+"""Synthetic-acceptance mode (capacity planning): drafts accepted with a given probability
+instead of by the rejection test; outputs flagged; the default path is exact and unflagged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from raysd.core.sampling import SamplingParams
+from raysd.core.theory import expected_tokens_per_step
+from raysd.engine.drafters import DraftModelDrafter, NoDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine, SyntheticAcceptanceWarning, SyntheticGenerationResult
+from raysd.engine.rows import GenerationResult, Request
+from tests.conftest import VOCAB, tiny_model
+from tests.engine.test_equivalence import prompts
+
+
+def generate(rate, k, params, n_rows=32, batch=32):
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
+    config = EngineConfig(num_speculative_tokens=k, max_batch_size=batch, synthetic_acceptance_rate=rate)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), config)
+    ps = prompts(seed=1, lengths=[3 + i % 7 for i in range(n_rows)])
+    return engine.generate([Request(i, p, SamplingParams(**{**params.__dict__, "seed": i})) for i, p in enumerate(ps)])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("rate", [0.3, 0.8])
+def test_measured_acceptance_rate_matches_the_synthetic_rate(rate, temperature):
+    k = 4
+    params = SamplingParams(temperature=temperature, max_new_tokens=101, ignore_eos=True)
+    with pytest.warns(SyntheticAcceptanceWarning):
+        results = generate(rate, k, params)
+    accepted = sum(r.stats.num_accepted_draft_tokens for r in results)
+    tested = sum(r.stats.num_tested_positions for r in results)  # Bernoulli trials: up to the first rejection
+    assert tested > 2000
+    se = math.sqrt(rate * (1 - rate) / tested)
+    assert abs(accepted / tested - rate) < 5 * se, (accepted / tested, rate, se)
+    steps = sum(r.stats.num_spec_steps for r in results)
+    mean_len = 1 + accepted / steps
+    assert mean_len == pytest.approx(expected_tokens_per_step(rate, k), rel=0.05)
+    for r in results:
+        assert isinstance(r, SyntheticGenerationResult) and r.synthetic
+        assert len(r.token_ids) == 101
+
+
+def test_rate_zero_greedy_is_plain_greedy_decoding_and_rate_one_accepts_everything():
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    target = tiny_model("llama", seed=0)
+    ps = prompts(seed=2)
+    plain = SpecEngine(target, NoDrafter(VOCAB), EngineConfig(0, 8)).generate([Request(i, p, params) for i, p in enumerate(ps)])
+    with pytest.warns(SyntheticAcceptanceWarning):
+        zero = generate(0.0, 3, params, n_rows=len(ps), batch=8)
+    assert all(r.stats.num_accepted_draft_tokens == 0 and r.stats.num_spec_steps == 20 for r in zero)
+    with pytest.warns(SyntheticAcceptanceWarning):
+        engine = SpecEngine(target, DraftModelDrafter(tiny_model("llama", seed=9, layers=1), VOCAB),
+                            EngineConfig(3, 8, synthetic_acceptance_rate=0.0))
+    same = engine.generate([Request(i, p, params) for i, p in enumerate(ps)])
+    assert [r.token_ids for r in same] == [r.token_ids for r in plain]  # the token after the prefix is the target's
+    with pytest.warns(SyntheticAcceptanceWarning):
+        one = generate(1.0, 4, params, n_rows=8, batch=8)
+    assert all(r.stats.mean_acceptance_length == 5.0 for r in one)  # 20 tokens = 4 full steps of 5
+
+
+def test_default_is_exact_and_unflagged(recwarn):
+    config = EngineConfig(4, 8)
+    assert config.synthetic_acceptance_rate is None
+    results = generate(None, 4, SamplingParams(max_new_tokens=8), n_rows=4, batch=4)
+    assert not [w for w in recwarn if issubclass(w.category, SyntheticAcceptanceWarning)]
+    for r in results:
+        assert type(r) is GenerationResult and not getattr(r, "synthetic", False)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True])
+def test_rate_is_validated(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(synthetic_acceptance_rate=bad)

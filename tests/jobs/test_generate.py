@@ -1,0 +1,166 @@
+"""`raysd.jobs.generate` in process, on tiny models: counts, ids, exact tokens, error rows,
+per-row overrides, resume, --overwrite, input formats."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from raysd.jobs import GenerateConfig, JobError, generate
+from raysd.jobs.io import OutputStore
+from raysd.jobs.replica import row_seed
+from raysd.models.loading import ModelSpec, load_model
+from tests.conftest import EOS, VOCAB
+from tests.jobs.conftest import token_prompts
+
+pytestmark = pytest.mark.slow
+
+
+def read_output(path: str) -> pa.Table:
+    store = OutputStore(path)
+    tables = []
+    for part in store.parts():
+        with store.fs.open(part, "rb") as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables)
+
+
+def by_id(table: pa.Table) -> dict:
+    return {row["id"]: row for row in table.to_pylist()}
+
+
+def reference(target_dir, draft, prompts, params, k=4):
+    """SpecEngine, single process, on the same prompts: the tokens the job must reproduce."""
+    target = load_model(ModelSpec(target_dir))
+    if draft == "ngram":
+        drafter = NgramDrafter(VOCAB)
+    else:
+        drafter = DraftModelDrafter(load_model(ModelSpec(draft)), VOCAB)
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=3, eos_token_ids=(EOS,)))
+    with torch.inference_mode():
+        return [r.token_ids for r in engine.generate([Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))])]
+
+
+def test_job_matches_engine_with_error_rows_and_overrides(tmp_path, model_dirs, local_ray):
+    target, draft = model_dirs
+    prompts = token_prompts(9)
+    rows = [{"prompt": p, "tag": f"t{i}", "max_new_tokens": None, "temperature": None} for i, p in enumerate(prompts)]
+    rows[2]["max_new_tokens"] = 3  # per-row override
+    rows[4]["temperature"] = 0.8  # sampled row: its seed comes from the job seed and its id
+    rows += [
+        {"prompt": [], "tag": "empty", "max_new_tokens": None, "temperature": None},
+        {"prompt": [5, VOCAB + 7], "tag": "oov", "max_new_tokens": None, "temperature": None},
+        {"prompt": [5] * 600, "tag": "long", "max_new_tokens": None, "temperature": None},  # context is 512
+        {"prompt": [5, 6], "tag": "badtemp", "max_new_tokens": None, "temperature": -1.0},
+    ]
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:6]), inp / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[6:]), inp / "b.parquet")
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft, max_new_tokens=10,
+                         seed=3, batch_size=4, quiet=True)
+    summary = generate(cfg)
+
+    out = read_output(cfg.output)
+    assert out.num_rows == len(rows) == summary.rows == summary.rows_this_run
+    ids = out.column("id").to_pylist()
+    assert sorted(ids) == list(range(len(rows)))  # ids from the row order, each exactly once
+    got = by_id(out)
+    assert [got[i]["tag"] for i in range(len(rows))] == [r["tag"] for r in rows]  # passthrough
+    errors = {got[i]["tag"]: got[i]["error"] for i in range(len(rows)) if got[i]["finish_reason"] == "error"}
+    assert set(errors) == {"empty", "oov", "long", "badtemp"}
+    assert "empty prompt" in errors["empty"]
+    assert "outside the vocabulary" in errors["oov"]
+    assert "context" in errors["long"]
+    assert "temperature" in errors["badtemp"]
+    assert summary.rows_failed == 4
+
+    params = []
+    for i, r in enumerate(rows[:9]):
+        params.append(SamplingParams(temperature=r["temperature"] or 0.0, seed=row_seed(3, i),
+                                     max_new_tokens=r["max_new_tokens"] or 10))
+    expected = reference(target, draft, prompts, params)
+    for i in range(9):
+        assert got[i]["generated_token_ids"] == expected[i], i
+        assert got[i]["num_generated_tokens"] == len(expected[i])
+        assert got[i]["finish_reason"] in ("stop", "length")
+        assert got[i]["error"] is None and got[i]["generated_text"] is None  # no tokenizer
+        assert got[i]["seed"] == row_seed(3, i)
+        assert sum(got[i]["acceptance_histogram"]) == got[i]["num_spec_steps"]
+        assert got[i]["num_accepted_draft_tokens"] <= got[i]["num_draft_tokens"]
+        assert got[i]["draft_model"] == draft and got[i]["num_speculative_tokens"] == 4
+    assert got[2]["num_generated_tokens"] <= 3
+
+    written = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    assert written["rows"] == len(rows) and written["generated_tokens"] == sum(len(e) for e in expected)
+    assert written["mean_acceptance_length"] >= 1.0
+
+
+def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_ray):
+    target, _ = model_dirs
+    prompts = token_prompts(12, seed=1)
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(12)], "prompt": prompts}), inp)
+    out = tmp_path / "out"
+    cfg = GenerateConfig(input=str(inp), output=str(out), target=target, draft="ngram", max_new_tokens=6,
+                         batch_size=2, rows_per_file=2, replicas=2, quiet=True)
+    first = generate(cfg)
+    assert first.rows == 12 and first.replicas == 2
+    full = by_id(read_output(str(out)))
+    parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
+    assert len(parts) >= 3
+    # A crash after some files were written: drop half the parts, and leave a partial temporary file.
+    dropped = parts[: len(parts) // 2]
+    lost = sum(pq.read_metadata(out / p).num_rows for p in dropped)
+    for p in dropped:
+        os.remove(out / p)
+    (out / "_tmp").mkdir(exist_ok=True)
+    (out / "_tmp" / "part-partial.parquet").write_bytes(b"PAR1 truncated")
+
+    second = generate(cfg)
+    assert second.rows_this_run == lost and second.rows_skipped == 12 - lost
+    table = read_output(str(out))
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(full) and len(ids) == len(set(ids)) == 12  # nothing lost, nothing doubled
+    again = by_id(table)
+    assert all(again[k]["generated_token_ids"] == full[k]["generated_token_ids"] for k in full)
+
+    # Everything written: a re-run generates nothing and starts no model.
+    third = generate(cfg)
+    assert third.rows_this_run == 0 and third.rows == 12
+
+    # A different job into the same output is refused; --overwrite starts over.
+    with pytest.raises(JobError, match="different"):
+        generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7}))
+    fourth = generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7, "overwrite": True}))
+    assert fourth.rows_this_run == 12 and fourth.rows_skipped == 0 and read_output(str(out)).num_rows == 12
+
+
+def test_jsonl_and_memory_fs_and_plain_decoding(tmp_path, model_dirs, local_ray):
+    target, _ = model_dirs
+    prompts = token_prompts(5, seed=2)
+    # memory:// in and out (any fsspec URL), a string id column, plain autoregressive decoding.
+    fs = fsspec.filesystem("memory")
+    with fs.open("/jobs-in/prompts.parquet", "wb") as f:
+        pq.write_table(pa.table({"key": [f"k{i}" for i in range(5)], "prompt": prompts}), f)
+    cfg = GenerateConfig(input="memory://jobs-in", output="memory://jobs-out", id_column="key", target=target,
+                         draft="none", max_new_tokens=5, batch_size=3, quiet=True)
+    summary = generate(cfg)
+    out = read_output("memory://jobs-out")
+    assert sorted(out.column("key").to_pylist()) == [f"k{i}" for i in range(5)]
+    assert set(out.column("num_speculative_tokens").to_pylist()) == {0} and summary.draft_acceptance_rate is None
+    assert set(out.column("mean_acceptance_length").to_pylist()) == {1.0}
+    expected = reference(target, "ngram", prompts, [SamplingParams(max_new_tokens=5)] * 5, k=0)
+    got = {r["key"]: r["generated_token_ids"] for r in out.to_pylist()}
+    assert [got[f"k{i}"] for i in range(5)] == expected
+    assert fs.exists("/jobs-out/_summary.json")
