@@ -26,6 +26,8 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [K]: accepts at draft position i
     overlap_sum: float = 0.0
     num_tested_positions: int = 0
+    speculation_length_sum: int = 0  # K offered to this row, summed over steps
+    num_steps_without_drafts: int = 0  # steps where K was 0 (plain decoding for this row)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -36,11 +38,15 @@ class SpecDecodeStats:
         if len(self.acceptance_histogram) != K + 1 or len(self.accepted_per_position) != K:
             raise ValueError("histogram lengths do not match num_speculative_tokens")
 
-    def observe(self, num_drafted: int, num_accepted: int, overlaps: Sequence[float]) -> None:
-        """Record one step: drafts verified, drafts accepted, and the overlap at each tested position."""
-        if not 0 <= num_accepted <= num_drafted <= self.num_speculative_tokens:
-            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted} (K={self.num_speculative_tokens})")
+    def observe(self, num_drafted: int, num_accepted: int, overlaps: Sequence[float], k: int | None = None) -> None:
+        """Record one step: drafts verified, drafts accepted, the overlap at each tested
+        position, and the speculation length K this row was offered (default: num_drafted)."""
+        k = num_drafted if k is None else k
+        if not 0 <= num_accepted <= num_drafted <= k <= self.num_speculative_tokens:
+            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted}, K={k} (max {self.num_speculative_tokens})")
         self.num_spec_steps += 1
+        self.speculation_length_sum += k
+        self.num_steps_without_drafts += k == 0
         self.num_draft_tokens += num_drafted
         self.num_accepted_draft_tokens += num_accepted
         self.acceptance_histogram[num_accepted] += 1
@@ -60,6 +66,10 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_draft_tokens / self.num_spec_steps
 
     @property
+    def mean_speculation_length(self) -> float | None:
+        return self.speculation_length_sum / self.num_spec_steps if self.num_spec_steps else None
+
+    @property
     def alpha_estimate(self) -> float | None:
         return self.overlap_sum / self.num_tested_positions if self.num_tested_positions else None
 
@@ -74,6 +84,8 @@ class SpecDecodeStats:
             "acceptance_histogram": list(self.acceptance_histogram),
             "accepted_per_position": list(self.accepted_per_position),
             "alpha_estimate": self.alpha_estimate,
+            "mean_speculation_length": self.mean_speculation_length,
+            "num_steps_without_drafts": self.num_steps_without_drafts,
         }
 
     def state(self) -> dict:

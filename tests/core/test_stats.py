@@ -68,6 +68,7 @@ def test_to_dict_and_state_round_trip():
         "num_spec_steps": 1, "num_draft_tokens": 2, "num_accepted_draft_tokens": 1,
         "draft_acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "acceptance_histogram": [0, 1, 0],
         "accepted_per_position": [1, 0], "alpha_estimate": 0.625,
+        "mean_speculation_length": 2.0, "num_steps_without_drafts": 0,
     }
     d["acceptance_histogram"].append(99)  # a copy, not the live list
     assert s.acceptance_histogram == [0, 1, 0]
@@ -113,3 +114,14 @@ def test_identities_hold_for_any_sequence_of_steps(case):
         assert 0.0 <= s.draft_acceptance_rate <= 1.0
     if s.num_tested_positions:
         assert 0.0 <= s.alpha_estimate <= 1.0 + 1e-12
+
+
+def test_speculation_length_is_recorded_per_step():
+    s = SpecDecodeStats(num_speculative_tokens=4)
+    s.observe(3, 3, [1.0, 1.0, 1.0], k=4)  # offered 4, the drafter found 3
+    s.observe(0, 0, [], k=0)  # plain decoding this step
+    s.observe(2, 0, [0.1])
+    assert s.mean_speculation_length == (4 + 0 + 2) / 3
+    assert s.num_steps_without_drafts == 1
+    with pytest.raises(ValueError):
+        s.observe(3, 1, [0.5, 0.5], k=2)  # more drafts than offered

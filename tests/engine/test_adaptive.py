@@ -1,0 +1,75 @@
+"""The speculation-length controller: it maximises expected goodput, agrees with the
+theory's optimal K where the theory's assumptions hold, and falls back to plain
+decoding when speculation does not pay."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysd.core.stats import SpecDecodeStats
+from raysd.core.theory import expected_tokens_per_step, expected_walltime_improvement, optimal_k
+from raysd.engine.adaptive import AdaptiveConfig, StepCosts, choose_k, row_alpha, step_seconds
+
+K_MAX = 8
+
+
+def flat_costs(c: float, batch_sizes=(1, 8, 64), t: float = 0.01) -> StepCosts:
+    """Leviathan's assumptions: verifying K + 1 tokens costs one target step; a draft step costs c of it."""
+    return StepCosts(batch_sizes, tuple((t,) * (K_MAX + 1) for _ in batch_sizes), tuple(c * t for _ in batch_sizes))
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
+@pytest.mark.parametrize("c", [0.0, 0.05, 0.2, 0.5, 0.9])
+def test_agrees_with_leviathan_optimal_k(alpha, c):
+    config = AdaptiveConfig(flat_costs(c))
+    k = choose_k([alpha] * 4, [K_MAX] * 4, config)
+    best = optimal_k(alpha, c, k_max=K_MAX)
+    # Equal, or a tie in walltime improvement to rounding.
+    assert k == best or expected_walltime_improvement(alpha, k, c) == pytest.approx(expected_walltime_improvement(alpha, best, c))
+
+
+def test_never_chooses_a_k_worse_than_plain_decoding():
+    # Verification cost grows steeply with K at large batch (a compute-bound target).
+    costs = StepCosts((1, 64), ((0.01,) * (K_MAX + 1), tuple(0.05 * (k + 1) for k in range(K_MAX + 1))), (0.003, 0.02))
+    config = AdaptiveConfig(costs)
+    assert choose_k([0.9] * 64, [K_MAX] * 64, config) == 0  # at batch 64 only plain decoding pays
+    assert choose_k([0.9], [K_MAX], config) > 0  # at batch 1 speculation pays
+    for B in (1, 2, 8, 32, 64):
+        for a in (0.0, 0.3, 0.6, 0.9):
+            k = choose_k([a] * B, [K_MAX] * B, config)
+            goodput = B * expected_tokens_per_step(a, k) / step_seconds(costs, B, k, False)
+            assert goodput >= B / step_seconds(costs, B, 0, False)
+
+
+def test_low_acceptance_turns_speculation_off():
+    config = AdaptiveConfig(flat_costs(0.5))
+    assert choose_k([0.2] * 8, [K_MAX] * 8, config) == 0
+    assert choose_k([0.95] * 8, [K_MAX] * 8, config) > 0
+
+
+def test_budgets_cap_k_and_overlap_makes_drafting_cheaper():
+    config = AdaptiveConfig(flat_costs(0.4))
+    assert choose_k([0.9, 0.9], [2, 1], config) <= 2
+    assert choose_k([0.9], [0], config) == 0
+    serial = choose_k([0.8] * 4, [K_MAX] * 4, config)
+    overlapped = choose_k([0.8] * 4, [K_MAX] * 4, AdaptiveConfig(flat_costs(0.4), overlapped=True))
+    assert overlapped >= serial
+
+
+def test_row_alpha_moves_from_prior_to_history():
+    s = SpecDecodeStats(4)
+    assert row_alpha(s, 0.5, 4.0) == 0.5
+    for _ in range(100):
+        s.observe(4, 4, [0.95] * 4)
+    assert row_alpha(s, 0.5, 4.0) == pytest.approx(0.95, abs=0.01)
+
+
+def test_step_costs_interpolate_and_validate():
+    costs = StepCosts((1, 9), ((1.0, 2.0), (3.0, 6.0)), (0.1, 0.5))
+    assert costs.target(5, 1) == pytest.approx(4.0)
+    assert costs.target(1, 0) == 1.0 and costs.draft(9) == 0.5
+    assert costs.target(17, 0) == pytest.approx(5.0)  # linear beyond the last point
+    with pytest.raises(ValueError):
+        StepCosts((4, 1), ((1.0,), (1.0,)), (0.0, 0.0))
+    with pytest.raises(ValueError):
+        StepCosts((1,), ((1.0, 2.0),), (0.1, 0.2))
