@@ -39,6 +39,7 @@ from raysd.actors.model_actors import (
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
+from raysd.engine.adaptive import AdaptiveConfig, StepCosts, choose_k, row_alpha
 from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -74,6 +75,9 @@ class CoordinatorConfig:
     max_actor_restarts: int = 3  # Ray restarts a dead actor this many times
     max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
     measure_bytes: bool = True
+    # Choose K in 0..num_speculative_tokens each step (raysd.engine.adaptive), e.g. with
+    # costs from `profile_step_costs`; None: always num_speculative_tokens.
+    adaptive: AdaptiveConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -131,6 +135,7 @@ class _MicroBatch:
     needs_reset: bool = True  # the actors hold no (valid) state for it
     on_actors: int = 0  # rows the actors hold once kept/keep are applied; the rest are new
     busy: bool = False
+    offered: list[int] = field(default_factory=list)  # K offered to each row in the step in flight
 
 
 @dataclass
@@ -185,6 +190,14 @@ class SpecCoordinator:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.placement_group)
+
+    def profile_step_costs(self, k_max: int, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> StepCosts:
+        """Step costs measured inside the actors, on the devices they run on."""
+        target_s, draft_s = ray.get([
+            self.target.time_steps.remote(list(batch_sizes), k_max, context, reps),
+            self.draft.time_steps.remote(list(batch_sizes), context, reps),
+        ])
+        return StepCosts(tuple(batch_sizes), tuple(tuple(t) for t in target_s), tuple(draft_s))
 
     def generate(self, requests: Sequence[Request]) -> RunOutput:
         """Generate for every request; results come back in request order, one per request."""
@@ -258,6 +271,12 @@ class SpecCoordinator:
             new_rows=tuple((row.request.prompt_token_ids, row.request.params) for row in rows[mb.on_actors :]),
         )
         max_drafts = [row.max_drafts() for row in rows]
+        adaptive = self.config.adaptive
+        if adaptive is not None:
+            alphas = [row_alpha(row.stats, adaptive.prior_alpha, adaptive.prior_weight) for row in rows]
+            k_step = choose_k(alphas, max_drafts, adaptive)
+            max_drafts = [min(k_step, cap) for cap in max_drafts]
+        mb.offered = max_drafts
         uniforms = torch.stack([row.uniforms() for row in rows]).numpy()  # [B, 2K + 1]
         draft_u = np.ascontiguousarray(uniforms[:, :K])  # [B, K]
         verify_u = np.ascontiguousarray(uniforms[:, K:])  # [B, K + 1]
@@ -272,8 +291,8 @@ class SpecCoordinator:
     def _finish_step(self, mb: _MicroBatch, out: VerifyResult, results: dict, report: RunReport) -> None:
         mb.busy = False
         kept = []
-        for (_, row), new, n_draft, n_acc, ov in zip(mb.rows, out.tokens, out.drafted, out.accepted, out.overlaps):
-            row.stats.observe(n_draft, n_acc, ov)
+        for (_, row), k, new, n_draft, n_acc, ov in zip(mb.rows, mb.offered, out.tokens, out.drafted, out.accepted, out.overlaps):
+            row.stats.observe(n_draft, n_acc, ov, k=k)
             kept.append(row.append(new))
         keep = [k for k, (_, row) in enumerate(mb.rows) if row.finish_reason is None]
         for i, row in mb.rows:

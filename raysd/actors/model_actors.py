@@ -26,6 +26,7 @@ from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
+from raysd.models.profile import time_forward
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
 ModelFactory = Callable[[], PreTrainedModel]  # picklable, e.g. functools.partial(load_model, spec)
@@ -152,6 +153,12 @@ class DraftActor:
         self.target_vocab_size = target_vocab_size
         self.store = _MicroBatchStore(lambda: spec.build(self.model, target_vocab_size, self.device))
 
+    def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
+        """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
+        if self.model is None:
+            return [0.0 for _ in batch_sizes]
+        return [time_forward(self.model, B, [0], context, reps)[0] for B in batch_sizes]
+
     def info(self) -> ActorInfo:
         limit = max_model_len(self.model) if self.model is not None else 2**31 - 1
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit)
@@ -180,6 +187,14 @@ class TargetActor:
         self.model = model_factory().to(self.device).eval()
         self.store = _MicroBatchStore(lambda: TargetVerifier(self.model))
         self.vocab_size = TargetVerifier(self.model).vocab_size
+
+    def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
+        """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
+        out = []
+        for B in batch_sizes:
+            times = time_forward(self.model, B, range(k_max + 1), context, reps)
+            out.append([times[k] for k in range(k_max + 1)])
+        return out
 
     def info(self) -> ActorInfo:
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model))

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.core.theory import expected_tokens_per_step
+from raysd.models.profile import time_forward
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,15 @@ def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveCo
         if goodput > best:
             best_k, best = k, goodput
     return best_k
+
+
+def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence[int] = (1, 4, 16, 64),
+                       context: int = 128, reps: int = 3) -> StepCosts:
+    """Measure StepCosts on the machine at hand: T_target(B, K + 1) for K = 0..k_max and one
+    draft forward per batch size (a model-free drafter counts as free)."""
+    target_s, draft_s = [], []
+    for B in batch_sizes:
+        times = time_forward(target, B, range(k_max + 1), context, reps)
+        target_s.append(tuple(times[k] for k in range(k_max + 1)))
+        draft_s.append(time_forward(draft, B, [0], context, reps)[0] if draft is not None else 0.0)
+    return StepCosts(tuple(batch_sizes), tuple(target_s), tuple(draft_s))

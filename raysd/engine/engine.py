@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
+from raysd.engine.adaptive import AdaptiveConfig, choose_k, row_alpha
 from raysd.engine.drafters import DraftModelDrafter, Drafter
 from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
 from raysd.engine.verifier import TargetVerifier
@@ -29,6 +30,9 @@ class EngineConfig:
     # Capacity planning only: accept each draft with this probability instead of the rejection
     # test. Outputs then do NOT follow the target distribution; None (default) is exact.
     synthetic_acceptance_rate: float | None = None
+    # Choose K in 0..num_speculative_tokens each step for the best expected goodput
+    # (raysd.engine.adaptive); None: always num_speculative_tokens.
+    adaptive: AdaptiveConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -40,18 +44,13 @@ class EngineConfig:
         rate = self.synthetic_acceptance_rate
         if rate is not None and (isinstance(rate, bool) or not 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_acceptance_rate must be None or in [0, 1], got {rate!r}")
+        if self.adaptive is not None and self.adaptive.costs.k_max < self.num_speculative_tokens:
+            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 
 class SyntheticAcceptanceWarning(UserWarning):
     """Raised (as a warning) whenever an engine runs in synthetic-acceptance mode."""
-
-
-@dataclass
-class SyntheticGenerationResult(GenerationResult):
-    """A result of synthetic-acceptance mode: its tokens do NOT follow the target distribution."""
-
-    synthetic: bool = True
 
 
 @dataclass
@@ -119,9 +118,8 @@ class SpecEngine:
         return [results[i] for i in range(len(requests))]
 
     def _flag(self, result: GenerationResult) -> GenerationResult:
-        if self.config.synthetic_acceptance_rate is None:
-            return result
-        return SyntheticGenerationResult(**vars(result))
+        result.synthetic = self.config.synthetic_acceptance_rate is not None
+        return result
 
     def step(self, rows: list[RowState]) -> None:
         """One speculative step for every row: propose, verify, emit, roll back."""
@@ -129,6 +127,11 @@ class SpecEngine:
         device = self.verifier.seqs.device
         # 1. Per-row budgets and random draws (from each row's own generator).
         max_drafts = [row.max_drafts() for row in rows]
+        if self.config.adaptive is not None:
+            adaptive = self.config.adaptive
+            alphas = [row_alpha(row.stats, adaptive.prior_alpha, adaptive.prior_weight) for row in rows]
+            k_step = choose_k(alphas, max_drafts, adaptive)
+            max_drafts = [min(k_step, cap) for cap in max_drafts]
         uniforms = torch.stack([row.uniforms() for row in rows]).to(device)  # [B, 2K + 1]
         rate = self.config.synthetic_acceptance_rate
         if rate is not None:  # greedy rows draw no uniforms; synthetic acceptance still needs them
@@ -148,8 +151,8 @@ class SpecEngine:
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
         drafted = proposal.num_draft_tokens.tolist()
         kept = []
-        for row, new, n_draft, n_acc, ov in zip(rows, tokens, drafted, accepted, overlaps):
-            row.stats.observe(n_draft, n_acc, ov)
+        for row, new, k, n_draft, n_acc, ov in zip(rows, tokens, max_drafts, drafted, accepted, overlaps):
+            row.stats.observe(n_draft, n_acc, ov, k=k)
             kept.append(row.append(new))
         self.verifier.commit(kept)
         self.drafter.commit(kept)

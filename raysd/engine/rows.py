@@ -29,6 +29,7 @@ class GenerationResult:
     finish_reason: str  # "stop", "length" or "error"
     stats: SpecDecodeStats
     error: str | None = None
+    synthetic: bool = False  # synthetic-acceptance mode: tokens do NOT follow the target distribution
 
 
 def request_error(request: Request, vocab_size: int, max_model_len: int) -> str | None:

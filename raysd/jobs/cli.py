@@ -12,14 +12,15 @@ from raysd.jobs.config import DEFAULT_DRAFT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TAR
 def add_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("data")
     io.add_argument("--input", required=True, help="Parquet or JSON Lines file, directory or glob; any fsspec URL "
-                    "(s3://, gs://, memory://, file://); or a `datasets` dataset (save_to_disk directory, or a name in the local cache)")
+                    "(s3://, gs://, file://; memory:// for tests and small data); or a `datasets` dataset (save_to_disk directory, or a name in the local cache)")
     io.add_argument("--output", required=True, help="output directory of Parquet files (local path or fsspec URL)")
     io.add_argument("--prompt-column", default="prompt", help="string, chat messages [{role, content}], or token ids (default: prompt)")
     io.add_argument("--id-column", default="id", help="unique row id; made from the row order when absent (default: id)")
     io.add_argument("--split", default=None, help="split of a `datasets` DatasetDict (default: its only split, or train)")
     io.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                     help="tokenize string prompts as they are instead of through the chat template")
-    io.add_argument("--rows-per-file", type=int, default=1024, help="finished rows per output Parquet file (default: 1024)")
+    io.add_argument("--rows-per-file", type=int, default=1024, help="rows per output Parquet file: at least this many, in whole batches, except the last; "
+                    "also the most finished work a killed job can lose (default: 1024)")
     io.add_argument("--overwrite", action="store_true", help="delete the output first (default: resume into it)")
 
     m = p.add_argument_group("models")
@@ -28,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (HF id or path), 'ngram' (prompt lookup), or 'none' "
                    f"(plain autoregressive) (default: {DEFAULT_DRAFT})")
     m.add_argument("--draft-dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    m.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="draft tokens per step (default: 4)")
+    m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=4,
+                   help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
+                        "and step costs profiled at start-up (default: 4)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
 
     s = p.add_argument_group("sampling (per-row columns max_new_tokens, temperature, seed override these)")
@@ -39,13 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0, help="job seed; a row's seed is a stable hash of it and the row's id (default: 0)")
 
     r = p.add_argument_group("Ray")
-    r.add_argument("--batch-size", type=int, default=16, help="rows per call on a replica (default: 16)")
-    r.add_argument("--replicas", type=int, default=1, help="draft/target actor pairs running in parallel (default: 1)")
+    r.add_argument("--batch-size", type=int, default=16, help="rows per Ray Data block and per call on a replica (default: 16)")
+    r.add_argument("--replicas", type=int, default=1, help="draft/target actor pairs running in parallel: the generation stage's actor pool (default: 1)")
     r.add_argument("--num-gpus-per-actor", type=float, default=0.0, help="GPUs for each model actor; 0.5 shares one GPU per pair (default: 0)")
     r.add_argument("--num-cpus-per-actor", type=float, default=1.0, help="CPUs for each model actor (default: 1)")
     r.add_argument("--address", default=None, help="existing Ray cluster (default: the submitted job's cluster, else a local Ray on localhost)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; print only the summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _k_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> GenerateConfig:

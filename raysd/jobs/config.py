@@ -9,6 +9,8 @@ from raysd.models.loading import DEFAULT_MODEL, _DTYPES
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
+AUTO = "auto"
+AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 NGRAM, NO_DRAFT = "ngram", "none"  # --draft values that name no model
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -31,7 +33,7 @@ class GenerateConfig:
     target_dtype: str = "float32"
     draft: str = DEFAULT_DRAFT  # HF id or path, "ngram", or "none" (plain autoregressive decoding)
     draft_dtype: str = "float32"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = 4  # or "auto": K in 0..AUTO_MAX_K chosen each step for goodput
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -61,7 +63,8 @@ class GenerateConfig:
         need(bool(self.draft), "--draft must not be empty (use 'none' for plain decoding)")
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
             need(dtype in _DTYPES, f"{flag} must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        need(0 <= self.num_speculative_tokens <= 64, f"--num-speculative-tokens must be in 0..64, got {self.num_speculative_tokens}")
+        k = self.num_speculative_tokens
+        need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
         need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         need(self.temperature >= 0 and self.temperature == self.temperature, f"--temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
@@ -86,9 +89,15 @@ class GenerateConfig:
         return self.draft not in (NGRAM, NO_DRAFT)
 
     @property
+    def adaptive_speculation(self) -> bool:
+        return self.num_speculative_tokens == AUTO and self.draft != NO_DRAFT
+
+    @property
     def effective_num_speculative_tokens(self) -> int:
-        """K as run: plain decoding drafts nothing."""
-        return 0 if self.draft == NO_DRAFT else self.num_speculative_tokens
+        """K as run (the largest K under 'auto'): plain decoding drafts nothing."""
+        if self.draft == NO_DRAFT:
+            return 0
+        return AUTO_MAX_K if self.num_speculative_tokens == AUTO else self.num_speculative_tokens
 
     def fingerprint(self) -> dict:
         """What must match for a re-run to resume into the same output (everything that changes a row)."""

@@ -1,13 +1,17 @@
-"""Reading prompts and writing results as streams, on any fsspec filesystem.
+"""Where a job's rows come from and where they go, on any fsspec filesystem.
 
 Inputs: Parquet (a file, a directory or a glob), JSON Lines (the same), or a
 `datasets` dataset saved with `save_to_disk` (or one already in the local cache,
-named; nothing is ever downloaded). Each is read lazily in batches of rows, so an
-input larger than memory is never loaded whole.
+named; nothing is ever downloaded). `open_input` resolves --input on the driver
+(files, schema, row count: footers and a few lines only) and `InputSource.dataset()`
+turns it into a Ray Data reader: `read_parquet`, `read_json` (Arrow's reader: JSON Lines; or
+`read_text` plus a parsing stage when a column mixes JSON types), or a streaming
+read of a `datasets` dataset's Arrow files. `memory://` exists only in this process,
+so it is read here and handed over with `ray.data.from_arrow` (tests, small data).
 
-Output: a directory of `part-*.parquet` files. Each is written under a temporary
-name and renamed into place, so a file that is there is complete; a re-run reads
-the ids already written and skips those rows.
+Output: a directory of `part-*.parquet` files (see `raysd.jobs.pipeline.PartsSink`).
+Each is written under `_tmp/` and renamed into place, so a part that is there is
+complete; a re-run reads the ids already written and skips those rows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Iterator
 
 import fsspec
@@ -44,16 +47,55 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+# Ray Data's read (and parse) tasks ask for no CPU: the model actors' placement groups may hold
+# every CPU of a small node, and a read task waiting for one would stall the whole pipeline.
+IO_TASK_CPUS = 0
+
+
+def _protocol(fs) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
+def in_process(fs) -> bool:
+    """A filesystem only this process can see (fsspec `memory://`): Ray workers cannot read or write it."""
+    return _protocol(fs) == "memory"
+
+
+def arrow_filesystem(fs):
+    """The pyarrow filesystem Ray Data reads through: local files natively, any other fsspec one wrapped."""
+    import pyarrow.fs as pafs
+
+    if _protocol(fs) in ("file", "local"):
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
 class InputSource:
-    """Rows of a prompt dataset, read lazily, in a stable order."""
+    """Rows of a prompt dataset, in a stable order: as a Ray Data dataset (`dataset()`), or read
+    here batch by batch (`batches()`, for `memory://` and the tests)."""
 
     kind: str
     schema: pa.Schema  # the input's columns; JSON Lines: inferred from its first rows
-    num_rows: int | None = None  # when cheap to know (progress bar total)
-    json_columns: frozenset[str] = frozenset()  # JSON Lines columns of mixed type, written as JSON text
+    num_rows: int | None = None  # when cheap to know
+    json_columns: frozenset[str] = frozenset()  # JSON Lines columns of mixed type, carried as JSON text
 
     def batches(self, batch_size: int) -> Iterator[list[dict]]:
         raise NotImplementedError
+
+    def dataset(self):
+        """A lazy Ray Data dataset of the input's rows, in input order (with preserve_order)."""
+        raise NotImplementedError
+
+    def _driver_dataset(self, batch_size: int = 4096):
+        """Read here, hand the tables to Ray Data: for filesystems Ray workers cannot see (memory://).
+        The whole input is then held in the object store: for tests and small data only."""
+        import ray
+
+        tables = [self.encode(rows) for rows in self.batches(batch_size)]
+        return ray.data.from_arrow(tables or [self.schema.empty_table()])
+
+    def encode(self, rows: list[dict]) -> pa.Table:
+        return pa.Table.from_pylist(rows, schema=self.schema)
 
 
 class ParquetSource(InputSource):
@@ -68,17 +110,75 @@ class ParquetSource(InputSource):
             raise JobError(f"cannot read Parquet file {files[0]!r}: {_one_line(exc)}") from None
         self.num_rows = None
         if len(files) <= 64:  # footers only; skipped for many (remote) files
-            total = 0
+            total, schemas = 0, []
             for path in files:
-                with fs.open(path, "rb") as f:
-                    total += pq.ParquetFile(f).metadata.num_rows
+                try:
+                    with fs.open(path, "rb") as f:
+                        meta = pq.ParquetFile(f).metadata
+                except Exception as exc:  # noqa: BLE001
+                    raise JobError(f"cannot read Parquet file {path!r}: {_one_line(exc)}") from None
+                total += meta.num_rows
+                schemas.append(meta.schema.to_arrow_schema())
             self.num_rows = total
+            try:  # a column all-null in one file and typed in another takes the type
+                self.schema = pa.unify_schemas(schemas, promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                raise JobError(f"input Parquet files disagree on their columns: {_one_line(exc)}") from None
 
     def batches(self, batch_size: int) -> Iterator[list[dict]]:
         for path in self.files:
             with self.fs.open(path, "rb") as f:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size):
                     yield batch.to_pylist()
+
+    def dataset(self):
+        import ray
+
+        if in_process(self.fs):
+            return self._driver_dataset()
+        return ray.data.read_parquet(self.files, filesystem=arrow_filesystem(self.fs), file_extensions=None,
+                                     num_cpus=IO_TASK_CPUS)
+
+
+def encode_json_value(value):
+    """A value of a mixed-type JSON Lines column as carried through the pipeline: its JSON text."""
+    return None if value is None else json.dumps(value)
+
+
+def decode_json_value(text):
+    return None if text is None else json.loads(text)
+
+
+def output_json_value(text):
+    """The output value of a mixed-type column: strings as they are, anything else as JSON text."""
+    value = decode_json_value(text)
+    return value if value is None or isinstance(value, str) else text
+
+
+def parse_json_lines(lines: list[str], schema: pa.Schema, json_columns: frozenset[str], where: str = "") -> pa.Table:
+    rows = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise JobError(f"{where}not valid JSON ({exc.msg}): {line[:80]!r}") from None
+        if not isinstance(row, dict):
+            raise JobError(f"{where}each line must be a JSON object: {line[:80]!r}")
+        rows.append(row)
+    return _encode_json_rows(rows, schema, json_columns)
+
+
+def _encode_json_rows(rows: list[dict], schema: pa.Schema, json_columns: frozenset[str]) -> pa.Table:
+    if json_columns:
+        rows = [{k: encode_json_value(v) if k in json_columns else v for k, v in row.items()} for row in rows]
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _parse_json_batch(batch: pa.Table, schema: pa.Schema, json_columns: frozenset[str]) -> pa.Table:
+    """The parsing stage after `read_text`, for JSON Lines with a mixed-type column."""
+    return parse_json_lines(batch.column("text").to_pylist(), schema, json_columns)
 
 
 class JsonlSource(InputSource):
@@ -132,19 +232,61 @@ class JsonlSource(InputSource):
         if batch:
             yield batch
 
+    def encode(self, rows: list[dict]) -> pa.Table:
+        return _encode_json_rows(rows, self.schema, self.json_columns)
+
+    def dataset(self):
+        import ray
+
+        if in_process(self.fs):
+            return self._driver_dataset()
+        filesystem = arrow_filesystem(self.fs)
+        if not self.json_columns:
+            # Consistent types: Arrow's JSON reader, which reads newline-delimited JSON (JSON Lines).
+            # (`lines=True` would switch to pandas' reader, which takes no `filesystem`.)
+            return ray.data.read_json(self.files, filesystem=filesystem, file_extensions=None, num_cpus=IO_TASK_CPUS)
+        # A column mixes JSON types (strings and lists, say), which Arrow's reader rejects:
+        # read the lines, parse them in a stateless stage, carry that column as JSON text.
+        lines = ray.data.read_text(self.files, filesystem=filesystem, file_extensions=None, num_cpus=IO_TASK_CPUS)
+        return lines.map_batches(_parse_json_batch, fn_args=(self.schema, self.json_columns), batch_format="pyarrow",
+                                 batch_size=None, num_cpus=IO_TASK_CPUS)
+
+
+def _arrow_stream_datasource(files: list[str]):
+    """A `datasets` dataset's Arrow (IPC stream) files, read as a stream of record batches."""
+    from ray.data.datasource import FileBasedDatasource
+
+    class ArrowStreamDatasource(FileBasedDatasource):
+        def _read_stream(self, f, path):
+            reader = pa.ipc.open_stream(f)
+            for batch in reader:
+                yield pa.Table.from_batches([batch], schema=reader.schema)
+
+    return ArrowStreamDatasource(files, file_extensions=None)
+
 
 class DatasetsSource(InputSource):
     kind = "datasets"
 
     def __init__(self, dataset, name: str):
-        self.dataset = dataset
+        self.hf_dataset = dataset
         self.schema = dataset.data.schema
         self.num_rows = len(dataset)
         self.name = name
 
     def batches(self, batch_size: int) -> Iterator[list[dict]]:
-        for table in self.dataset.with_format("arrow").iter(batch_size=batch_size):
+        for table in self.hf_dataset.with_format("arrow").iter(batch_size=batch_size):
             yield table.to_pylist()
+
+    def dataset(self):
+        import ray
+
+        files = [c["filename"] for c in self.hf_dataset.cache_files]
+        if files and self.hf_dataset._indices is None:
+            # Its Arrow files as they are on disk, streamed: never loaded whole.
+            return ray.data.read_datasource(_arrow_stream_datasource(files), num_cpus=IO_TASK_CPUS)
+        # In memory, or with an indices mapping (select, shuffle): one table made here.
+        return ray.data.from_arrow(self.hf_dataset.with_format("arrow")[:])
 
 
 def _pick_split(dataset, split: str | None, name: str):
@@ -305,13 +447,16 @@ class OutputStore:
                 ids.update(pq.read_table(f, columns=[id_column]).column(0).to_pylist())
         return ids
 
-    def write_part(self, table: pa.Table) -> str:
-        """Write one part atomically: a temporary file, then a rename into place."""
-        name = f"part-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
+    def write_part(self, table: pa.Table, name: str | None = None) -> str:
+        """Write one part atomically: a temporary file, then a rename into place.
+
+        The same `name` twice (a retried write task) replaces the part rather than adding one.
+        """
+        name = name or f"part-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:12]}.parquet"
         final = self._path(name)
         tmp_dir = self._path(TMP_DIR)
         self.fs.makedirs(tmp_dir, exist_ok=True)
-        tmp = f"{tmp_dir}/{name}"
+        tmp = f"{tmp_dir}/{uuid.uuid4().hex[:8]}-{name}"
         with self.fs.open(tmp, "wb") as f:
             pq.write_table(table, f)
         if self.local:
@@ -320,12 +465,16 @@ class OutputStore:
             self.fs.mv(tmp, final)  # object stores: the object appears whole or not at all
         return final
 
-    def read_columns(self, columns: list[str]) -> pa.Table | None:
-        tables = []
+    def value_counts(self, column: str) -> tuple[int, dict]:
+        """(rows, {value: count}) of one column over every part, one part's column in memory at a time."""
+        rows, counts = 0, {}
         for path in self.parts():
             with self.fs.open(path, "rb") as f:
-                tables.append(pq.read_table(f, columns=columns))
-        return pa.concat_tables(tables) if tables else None
+                values = pq.read_table(f, columns=[column]).column(0).to_pylist()
+            rows += len(values)
+            for v in values:
+                counts[v] = counts.get(v, 0) + 1
+        return rows, counts
 
     def _write_json(self, name: str, obj: dict) -> None:
         with self.fs.open(self._path(name), "wt") as f:
@@ -336,15 +485,3 @@ class OutputStore:
         self._write_json(SUMMARY_FILE, summary)
         if self.fs.exists(self._path(TMP_DIR)):
             self.fs.rm(self._path(TMP_DIR), recursive=True)
-
-
-@dataclass
-class RowBuffer:
-    """Completed rows waiting to be written as one part."""
-
-    rows: list[dict]
-    since: float
-
-    @staticmethod
-    def empty() -> "RowBuffer":
-        return RowBuffer([], time.monotonic())

@@ -2,8 +2,9 @@
 row handling around it: prompts to token ids, per-row sampling parameters, results to
 output columns, live metrics.
 
-`GenerationReplica` is plain Python; the job runs it as a Ray actor that needs no CPU
-of its own (its model actors hold the resources).
+`GenerationReplica` is plain Python; the job's Ray Data generation stage owns one per
+actor of its pool (those actors need no CPU of their own: the model actors hold the
+resources, in the coordinator's placement group).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _local_dir_without_tokenizer(name: str) -> bool:
 class _Metrics:
     """Live counters through ray.util.metrics (Prometheus, prefix `ray_`)."""
 
-    def __init__(self, cfg: GenerateConfig, replica: int):
+    def __init__(self, cfg: GenerateConfig, replica: int | str):
         from ray.util.metrics import Counter
 
         tags = {"replica": str(replica), "target_model": cfg.target, "draft_model": cfg.draft}
@@ -165,10 +166,24 @@ class _Metrics:
                 self.per_position.inc(n, tags={"position": str(position)})
 
 
-class GenerationReplica:
-    """Owns one SpecCoordinator (its draft and target actors) for the life of the job."""
+def error_output(cfg: GenerateConfig, row_id: Any, message: str) -> dict:
+    """The output columns of a row that cannot be generated under its id (null or duplicate)."""
+    k = cfg.effective_num_speculative_tokens
+    return {
+        "generated_text": None, "generated_token_ids": [], "num_prompt_tokens": 0, "num_generated_tokens": 0,
+        "finish_reason": "error", "error": message, **SpecDecodeStats(k).to_dict(),
+        "target_model": cfg.target, "draft_model": cfg.draft, "num_speculative_tokens": k,
+        "seed": row_seed(cfg.seed, row_id), "latency_s": 0.0,
+    }
 
-    def __init__(self, cfg: GenerateConfig, replica: int = 0):
+
+class GenerationReplica:
+    """Owns one SpecCoordinator (its draft and target actors) for the life of the job.
+
+    Ray Data runs one per actor of the generation stage (`raysd.jobs.pipeline.GenerateReplica`).
+    """
+
+    def __init__(self, cfg: GenerateConfig, replica: int | str = 0):
         from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
         from raysd.models.loading import ModelSpec, load_model, load_tokenizer
 
@@ -213,7 +228,16 @@ class GenerationReplica:
         # The EOS ids are known only now (the tokenizer loaded beside the models); rows read them at admission.
         import dataclasses
 
-        self.coordinator.config = dataclasses.replace(self.coordinator.config, eos_token_ids=eos)
+        adaptive = None
+        if cfg.adaptive_speculation:
+            from raysd.engine.adaptive import AdaptiveConfig
+
+            # Step costs measured in the actors at the batch sizes this replica will run;
+            # the coordinator overlaps draft and verify, hence the overlapped cost model.
+            sizes = sorted({1, ccfg.micro_batch_size})
+            costs = self.coordinator.profile_step_costs(self.K, sizes, context=64, reps=2)
+            adaptive = AdaptiveConfig(costs, overlapped=ccfg.num_micro_batches > 1)
+        self.coordinator.config = dataclasses.replace(self.coordinator.config, eos_token_ids=eos, adaptive=adaptive)
         self.metrics = _Metrics(cfg, replica)
 
     def ready(self) -> dict:

@@ -26,6 +26,8 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("acceptance_histogram", pa.list_(pa.int32()), nullable=False),  # [K + 1]
     pa.field("accepted_per_position", pa.list_(pa.int32()), nullable=False),  # [K]
     pa.field("alpha_estimate", pa.float64()),
+    pa.field("mean_speculation_length", pa.float64()),  # K offered per step (varies under --num-speculative-tokens auto)
+    pa.field("num_steps_without_drafts", pa.int32(), nullable=False),  # steps with K = 0 (plain decoding)
     # Provenance.
     pa.field("target_model", pa.string(), nullable=False),
     pa.field("draft_model", pa.string(), nullable=False),  # a model, "ngram" or "none"

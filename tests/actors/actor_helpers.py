@@ -21,7 +21,8 @@ def factory(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
 
 
 def start_ray() -> None:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": never join a cluster some earlier process left recorded in /tmp/ray.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = VOCAB, max_len: int = 10) -> list[list[int]]:

@@ -189,3 +189,25 @@ def test_killed_actors_rerun_their_rows(random_draft):
             assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
             assert _tokens(out.results) == clean
             assert all(len(r.token_ids) == 24 for r in out.results)
+
+
+def test_auto_speculation_length_through_the_actors(random_draft):
+    """Step costs profiled in the actors drive the per-step K; greedy output is unchanged."""
+    import dataclasses
+
+    from raysd.engine.adaptive import AdaptiveConfig
+
+    costs = random_draft.profile_step_costs(K, [1, 3], context=16, reps=1)
+    assert costs.k_max == K and all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
+    plain = random_draft.config
+    random_draft.config = dataclasses.replace(plain, adaptive=AdaptiveConfig(costs, overlapped=True))
+    try:
+        reqs = requests(random_prompts(6, seed=3), max_new_tokens=10)
+        out = random_draft.generate(reqs)
+    finally:
+        random_draft.config = plain
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 10) for r in reqs]
+    for r in out.results:
+        assert 0 <= r.stats.mean_speculation_length <= K
+        assert r.stats.num_draft_tokens <= r.stats.speculation_length_sum

@@ -73,3 +73,47 @@ def test_step_costs_interpolate_and_validate():
         StepCosts((4, 1), ((1.0,), (1.0,)), (0.0, 0.0))
     with pytest.raises(ValueError):
         StepCosts((1,), ((1.0, 2.0),), (0.1, 0.2))
+
+
+# ---------------------------------------------------------------- through the engine
+
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from tests.conftest import EOS, VOCAB, tiny_model
+from tests.engine.test_equivalence import hf_greedy, prompts
+
+
+@pytest.mark.parametrize("c", [0.05, 5.0])  # speculation pays / never pays
+def test_auto_k_keeps_greedy_output_identical(c):
+    target = tiny_model("llama")
+    ps = prompts()
+    expected = [hf_greedy(target, p, 20) for p in ps]
+    config = EngineConfig(num_speculative_tokens=K_MAX, max_batch_size=8, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(flat_costs(c)))
+    for drafter in (DraftModelDrafter(target, VOCAB), NgramDrafter(VOCAB)):
+        results = SpecEngine(target, drafter, config).generate([Request(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(ps)])
+        assert [r.token_ids for r in results] == expected
+        for r in results:
+            s = r.stats
+            assert s.mean_speculation_length is not None and 0 <= s.mean_speculation_length <= K_MAX
+            if c > 1:  # drafting costs more than a target step: plain decoding every step
+                assert s.num_steps_without_drafts == s.num_spec_steps and s.num_draft_tokens == 0
+
+
+def test_auto_k_drafts_long_when_the_draft_is_the_target():
+    target = tiny_model("llama")
+    config = EngineConfig(num_speculative_tokens=K_MAX, max_batch_size=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(flat_costs(0.05)))
+    results = SpecEngine(target, DraftModelDrafter(target, VOCAB), config).generate(
+        [Request(i, p, SamplingParams(max_new_tokens=27, ignore_eos=True)) for i, p in enumerate(prompts()[:4])])
+    for r in results:
+        assert r.stats.draft_acceptance_rate == 1.0
+        assert r.stats.mean_speculation_length > 4  # the controller learns alpha = 1 and drafts long
+
+
+def test_profiled_costs_are_usable():
+    from raysd.engine.adaptive import profile_step_costs
+
+    target = tiny_model("llama")
+    costs = profile_step_costs(target, tiny_model("llama", seed=1, layers=1), k_max=3, batch_sizes=(1, 4), context=16, reps=1)
+    assert costs.k_max == 3 and all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)

@@ -10,7 +10,7 @@ import pytest
 from raysd.core.sampling import SamplingParams
 from raysd.core.theory import expected_tokens_per_step
 from raysd.engine.drafters import DraftModelDrafter, NoDrafter
-from raysd.engine.engine import EngineConfig, SpecEngine, SyntheticAcceptanceWarning, SyntheticGenerationResult
+from raysd.engine.engine import EngineConfig, SpecEngine, SyntheticAcceptanceWarning
 from raysd.engine.rows import GenerationResult, Request
 from tests.conftest import VOCAB, tiny_model
 from tests.engine.test_equivalence import prompts
@@ -40,7 +40,7 @@ def test_measured_acceptance_rate_matches_the_synthetic_rate(rate, temperature):
     mean_len = 1 + accepted / steps
     assert mean_len == pytest.approx(expected_tokens_per_step(rate, k), rel=0.05)
     for r in results:
-        assert isinstance(r, SyntheticGenerationResult) and r.synthetic
+        assert r.synthetic
         assert len(r.token_ids) == 101
 
 

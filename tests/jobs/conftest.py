@@ -20,8 +20,10 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ray():
+    # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head, which
+    # a plain ray.init(num_cpus=...) would try to join (and fail).
     if not ray.is_initialized():
-        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 

@@ -164,3 +164,72 @@ def test_jsonl_and_memory_fs_and_plain_decoding(tmp_path, model_dirs, local_ray)
     got = {r["key"]: r["generated_token_ids"] for r in out.to_pylist()}
     assert [got[f"k{i}"] for i in range(5)] == expected
     assert fs.exists("/jobs-out/_summary.json")
+
+
+def test_ids_follow_row_order_across_files_and_blocks(tmp_path, model_dirs, local_ray):
+    """No id column: ids are positions in the input, across several files and blocks (AssignIds runs
+    as one actor under preserve_order). JSON Lines whose prompt column mixes types (read_text + parse)."""
+    target, _ = model_dirs
+    prompts = token_prompts(17, seed=4)
+    inp = tmp_path / "pq"
+    inp.mkdir()
+    bounds = [0, 7, 9, 17]  # three files; the first and last with several row groups (blocks)
+    for f, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        table = pa.table({"prompt": prompts[lo:hi], "tag": [f"r{i}" for i in range(lo, hi)]})
+        pq.write_table(table, inp / f"part{f}.parquet", row_group_size=3)
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft="none", max_new_tokens=2,
+                         batch_size=3, rows_per_file=4, quiet=True)
+    summary = generate(cfg)
+    rows = read_output(cfg.output).to_pylist()
+    assert summary.rows == len(rows) == 17
+    assert sorted(r["id"] for r in rows) == list(range(17))
+    assert all(r["tag"] == f"r{r['id']}" for r in rows)  # id == the row's position in the input
+    assert all(r["generated_token_ids"] and r["finish_reason"] != "error" for r in rows)
+
+    jl = tmp_path / "jl"
+    jl.mkdir()
+    lines = [{"prompt": p, "tag": f"j{i}"} for i, p in enumerate(token_prompts(5, seed=5))]
+    lines[3]["prompt"] = "a string prompt"  # mixed types; no tokenizer: an error row
+    (jl / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:2]))
+    (jl / "b.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[2:]))
+    cfg = GenerateConfig(input=str(jl), output=str(tmp_path / "out-jl"), target=target, draft="none", max_new_tokens=2,
+                         batch_size=2, quiet=True)
+    summary = generate(cfg)
+    got = by_id(read_output(cfg.output))
+    assert sorted(got) == list(range(5)) and all(got[i]["tag"] == f"j{i}" for i in range(5))
+    assert got[3]["finish_reason"] == "error" and "no tokenizer" in got[3]["error"]
+    assert got[3]["prompt"] == "a string prompt" and json.loads(got[0]["prompt"]) == lines[0]["prompt"]
+    assert summary.rows_failed == 1
+
+
+def test_ray_data_readers_keep_rows_and_order(tmp_path, local_ray):
+    """Every input kind as the pipeline reads it (InputSource.dataset), no model: same rows, same order."""
+    import datasets
+    from ray.data import DataContext
+
+    from raysd.jobs.io import open_input
+
+    rows = [{"id": i, "prompt": [3 + i, 4, 5]} for i in range(7)]
+    d = tmp_path / "pq"
+    d.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:4]), d / "a.parquet", row_group_size=2)
+    pq.write_table(pa.Table.from_pylist(rows[4:]), d / "b.parquet")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mixed = [{"id": 0, "prompt": "text"}, {"id": 1, "prompt": [1, 2]}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    fs = fsspec.filesystem("memory")
+    with fs.open("/readers-test/x.parquet", "wb") as f:
+        pq.write_table(pa.Table.from_pylist(rows), f)
+
+    ctx = DataContext.get_current()
+    saved = ctx.execution_options.preserve_order
+    ctx.execution_options.preserve_order = True
+    try:
+        for url in (str(d), f"{d}/*.parquet", f"file://{d}", str(tmp_path / "p.jsonl"), str(tmp_path / "ds"),
+                    "memory://readers-test/x.parquet"):
+            assert open_input(url).dataset().take_all() == rows, url
+        got = open_input(str(tmp_path / "m.jsonl")).dataset().take_all()
+        assert [json.loads(r["prompt"]) for r in got] == [r["prompt"] for r in mixed]  # carried as JSON text
+    finally:
+        ctx.execution_options.preserve_order = saved

@@ -147,3 +147,15 @@ def test_bad_job_fails_fast_with_one_line(tmp_path, case):
     assert "Traceback" not in proc.stderr
     assert elapsed < 20, elapsed  # before Ray or any model: the interpreter and torch import only
     assert not (tmp_path / "out" / "_job.json").exists() or case == "foreign output"
+
+
+def test_num_speculative_tokens_auto_is_parsed_and_validated():
+    from raysd.jobs.cli import _k_value
+    from raysd.jobs.config import AUTO_MAX_K, GenerateConfig, JobError
+
+    cfg = GenerateConfig(input="in.jsonl", output="out", num_speculative_tokens=_k_value("auto"))
+    assert cfg.adaptive_speculation and cfg.effective_num_speculative_tokens == AUTO_MAX_K
+    assert not GenerateConfig(input="in.jsonl", output="out", num_speculative_tokens=_k_value("3")).adaptive_speculation
+    assert not GenerateConfig(input="in.jsonl", output="out", draft="none", num_speculative_tokens="auto").adaptive_speculation
+    with pytest.raises(JobError, match="auto"):
+        GenerateConfig(input="in.jsonl", output="out", num_speculative_tokens="fast")

@@ -1,0 +1,294 @@
+"""The Ray Data pipeline of a generation job (see docs/jobs.md, "Pipeline").
+
+    read (InputSource.dataset: read_parquet / read_json / read_text+parse / Arrow files / from_arrow)
+      -> map_batches(AssignIds)        one actor, in input order: ids, resume filter, null/duplicate ids
+      -> repartition(target_num_rows_per_block=batch_size)   streaming: blocks of one batch
+      -> map_batches(GenerateReplica)  --replicas actors, each owning a SpecCoordinator (draft + target)
+      -> write_datasink(PartsSink)     each write task writes one Parquet part atomically
+
+Everything streams: Ray Data's executor backpressures the read when the generation
+stage is busy, so memory holds a few batches per stage, not the input.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+from ray.data import ActorPoolStrategy
+from ray.data.datasource import Datasink
+
+from raysd.jobs.config import GenerateConfig
+from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
+from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS
+
+ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be used; dropped before the output
+_IN_FLIGHT_PER_REPLICA = 2  # batches queued on each generation actor: one running, one waiting
+
+
+@ray.remote(num_cpus=0)
+class JobStats:
+    """Running totals the stages report to, for the progress line and the summary.
+
+    Reports are blocking calls (ray.get) from the stages, so once the dataset has run,
+    every report has landed.
+    """
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def add(self, **counts: float) -> None:
+        for k, v in counts.items():
+            self.totals[k] = self.totals.get(k, 0) + v
+
+    def get(self) -> dict:
+        return dict(self.totals)
+
+
+def _report(stats, **counts) -> None:
+    if stats is not None and any(counts.values()):
+        ray.get(stats.add.remote(**counts))
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly `schema`'s columns, in order, cast to its types; missing columns are null.
+
+    Blocks from different files may differ (a column all-null in one file, absent from
+    some JSON lines); every block leaving the id stage has the same schema.
+    """
+    columns = []
+    for f in schema:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            columns.append(col if col.type == f.type else col.cast(f.type))
+        else:
+            columns.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def internal_schema(input_schema: pa.Schema, id_column: str) -> pa.Schema:
+    """The rows between the id stage and the generation stage: the input's columns, the id, ID_ERROR."""
+    fields = list(input_schema)
+    if id_column not in input_schema.names:
+        fields.append(pa.field(id_column, pa.int64()))
+    return pa.schema([*fields, pa.field(ID_ERROR, pa.string())])
+
+
+class AssignIds:
+    """The id stage: ONE actor (concurrency 1, one task in flight) under preserve_order, so it
+    sees the blocks in input order.
+
+    - Ids: the id column, or (when absent) the row's position in the input: 0, 1, ...
+    - Resume: drops rows whose id is already in the output (`done`: the output's ids, read first).
+    - Marks null and duplicate ids (ID_ERROR); the generation stage writes error rows for them.
+
+    Memory: the ids already done plus the ids seen this run (ids only, never rows).
+    """
+
+    def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None):
+        self.id_column, self.make_ids, self.schema, self.stats = id_column, make_ids, schema, stats
+        self.done = set(done)
+        self.seen: set = set()
+        self.position = 0
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        n = batch.num_rows
+        if self.make_ids:
+            ids = list(range(self.position, self.position + n))
+            batch = batch.append_column(self.id_column, pa.array(ids, pa.int64()))
+        else:
+            ids = batch.column(self.id_column).to_pylist()
+        self.position += n
+        keep, errors = [], []
+        for i, row_id in enumerate(ids):
+            if row_id is not None and row_id in self.done:
+                continue
+            keep.append(i)
+            if row_id is None:
+                errors.append("id is null")
+            elif row_id in self.seen:
+                errors.append(f"duplicate id {row_id!r}")
+            else:
+                self.seen.add(row_id)
+                errors.append(None)
+        _report(self.stats, rows_read=n, rows_skipped=n - len(keep))
+        if len(keep) < n:
+            batch = batch.take(pa.array(keep, pa.int64()))
+        batch = batch.append_column(ID_ERROR, pa.array(errors, pa.string()))
+        return conform(batch, self.schema)
+
+
+class GenerateReplica:
+    """The generation stage's callable class: Ray Data runs `--replicas` of these as a fixed
+    actor pool. Each owns one `GenerationReplica` (a SpecCoordinator: a draft and a target
+    actor in a placement group, plus the tokenizer), created at its first batch with rows
+    to generate, so a job with nothing left to do loads no model.
+
+    A batch of rows in, the same rows out in the same order, in the output schema: the id,
+    the input's other columns passed through, the generated columns (error rows for bad rows).
+    """
+
+    def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None):
+        self.cfg, self.schema, self.json_columns, self.stats = cfg, schema, json_columns, stats
+        self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
+        self.replica = None
+        self.tag = ray.get_runtime_context().get_actor_id()[-8:] if ray.is_initialized() else "0"
+
+    def _value(self, row: dict, name: str):
+        value = row.get(name)
+        return decode_json_value(value) if name in self.json_columns else value
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from raysd.jobs.replica import GenerationReplica, error_output
+
+        cfg = self.cfg
+        rows = batch.to_pylist()
+        outputs: list[dict | None] = [None] * len(rows)
+        payload, index = [], []
+        for i, row in enumerate(rows):
+            if row.get(ID_ERROR):
+                outputs[i] = error_output(cfg, row[cfg.id_column], row[ID_ERROR])
+                continue
+            payload.append({"id": row[cfg.id_column], "prompt": self._value(row, cfg.prompt_column),
+                            **{c: self._value(row, c) for c in OVERRIDE_COLUMNS if c in row}})
+            index.append(i)
+        if payload:
+            if self.replica is None:
+                self.replica = GenerationReplica(cfg, self.tag)
+            generated, report = self.replica.generate(payload)
+            for i, out in zip(index, generated):
+                outputs[i] = out
+            _report(self.stats, rows_generated=len(generated), draft_busy_s=report["draft_busy_s"],
+                    target_busy_s=report["target_busy_s"], wall_s=report["wall_s"],
+                    tokens=sum(o["num_generated_tokens"] for o in generated),
+                    drafted=sum(o["num_draft_tokens"] for o in generated),
+                    accepted=sum(o["num_accepted_draft_tokens"] for o in generated))
+        records = []
+        for row, out in zip(rows, outputs):
+            record = {cfg.id_column: row[cfg.id_column]}
+            for name in self.passthrough:
+                value = row.get(name)
+                record[name] = output_json_value(value) if name in self.json_columns else value
+            record.update(out)
+            records.append(record)
+        return pa.Table.from_pylist(records, schema=self.schema)
+
+    def __del__(self):
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            try:
+                replica.shutdown()
+            except Exception:  # noqa: BLE001 - the actor is going away; its children die with it
+                pass
+
+
+def block_totals(table: pa.Table) -> dict:
+    """The counts the summary needs, from a block of output rows."""
+    def total(name):
+        return int(pc.sum(table.column(name)).as_py() or 0) if table.num_rows else 0
+
+    failed = int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0) if table.num_rows else 0
+    return {"rows": table.num_rows, "failed": failed, "tokens": total("num_generated_tokens"),
+            "drafted": total("num_draft_tokens"), "accepted": total("num_accepted_draft_tokens"),
+            "steps": total("num_spec_steps")}
+
+
+class PartsSink(Datasink):
+    """Writes each write task's rows as ONE Parquet part, atomically: `_tmp/<name>` first, then a
+    rename into place in the same filesystem. A killed job leaves at most files under `_tmp/`,
+    which never count and are removed by the next run; a part that exists is complete.
+
+    Part names come from the run and the write task's index, so a retried write task
+    replaces its own part instead of adding a second copy of its rows.
+
+    `on_write_complete` (on the driver) adds up the write tasks' counts and calls `finish`,
+    which writes `_summary.json`.
+    """
+
+    def __init__(self, url: str, schema: pa.Schema, rows_per_file: int, local: bool, stats=None):
+        self.url, self.schema, self.rows_per_file, self.local, self.stats = url, schema, rows_per_file, local, stats
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.finish = None  # driver only: called with the totals
+        self.totals: dict | None = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["finish"] = None
+        return state
+
+    @property
+    def supports_distributed_writes(self) -> bool:
+        # A local path is local to a node: write where the driver is (it reads ids and the summary there).
+        return not self.local
+
+    @property
+    def min_rows_per_write(self) -> int:
+        return self.rows_per_file
+
+    def get_name(self) -> str:
+        return "RaysdParts"
+
+    def write(self, blocks: Iterable, ctx) -> dict:
+        tables = [b for b in blocks if b.num_rows]
+        if not tables:
+            return block_totals(self.schema.empty_table())
+        table = conform(pa.concat_tables(tables), self.schema)
+        index = ctx.task_idx if ctx is not None else uuid.uuid4().hex[:8]
+        name = f"part-{self.run_id}-{index:06d}.parquet" if isinstance(index, int) else f"part-{self.run_id}-{index}.parquet"
+        OutputStore(self.url).write_part(table, name)
+        totals = block_totals(table)
+        _report(self.stats, rows_written=totals["rows"])
+        return totals
+
+    def on_write_complete(self, write_result) -> None:
+        totals = {"rows": 0, "failed": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0}
+        for part in write_result.write_returns:
+            for k in totals:
+                totals[k] += part[k]
+        self.totals = totals
+        if self.finish is not None:
+            self.finish(totals)
+
+
+def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, stats=None):
+    """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows."""
+    make_ids = cfg.id_column not in source.schema.names
+    ds = source.dataset()
+    ds = ds.map_batches(
+        AssignIds,
+        fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats),
+        batch_format="pyarrow",
+        batch_size=None,  # whole blocks: each one's position is where the previous one ended
+        compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
+        num_cpus=0,
+    )
+    # Blocks of --batch-size rows (streaming, no shuffle): one generation task each, spread over the
+    # replicas, whatever the input's files and block sizes are.
+    ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    ds = ds.map_batches(
+        GenerateReplica,
+        fn_constructor_args=(cfg, schema, source.json_columns, stats),
+        batch_format="pyarrow",
+        batch_size=cfg.batch_size,
+        compute=ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=_IN_FLIGHT_PER_REPLICA),
+        num_cpus=0,  # the model actors (in the coordinator's placement group) hold the CPUs/GPUs
+        udf_modifying_row_count=False,
+    )
+    return ds
+
+
+def write_on_driver(ds, sink: PartsSink) -> None:
+    """For an output Ray workers cannot see (`memory://`): stream the rows to the driver with
+    iter_batches and write the parts here, through the same sink."""
+    from ray.data.datasource.datasink import WriteResult
+
+    returns, rows = [], 0
+    for i, batch in enumerate(ds.iter_batches(batch_size=sink.rows_per_file, batch_format="pyarrow")):
+        ctx = type("Ctx", (), {"task_idx": i})()
+        returns.append(sink.write([batch], ctx))
+        rows += batch.num_rows
+    sink.on_write_complete(WriteResult(num_rows=rows, size_bytes=0, write_returns=returns))

@@ -1,0 +1,60 @@
+"""Step costs on the machine at hand: T_target(B, K) and T_draft(B).
+
+T_target(B, K) is one target forward of K + 1 tokens per row (the last committed token plus
+K drafts; K = 0 is plain decoding) on B rows that each hold `context` cached tokens, with
+K + 1 logits per row as the verifier asks. T_draft(B) is one draft forward of one token per
+row on the same context (a model drafter makes K of them per step), or one n-gram lookup
+over B histories. Each time is the median of `reps` runs after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from raysd.models.runner import ModelRunner
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], None], reps: int, device: torch.device, after: Callable[[], None] = lambda: None) -> float:
+    times = []
+    for i in range(reps + 1):  # the first run warms up and is dropped
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        after()
+    return statistics.median(times)
+
+
+def _prefilled_runner(model, batch_size: int, context: int, vocab: int, seed: int = 0) -> ModelRunner:
+    runner = ModelRunner(model, vocab_size=vocab)
+    runner.add_rows(batch_size)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch_size, context), generator=g).to(runner.device)  # [B, context]
+    ones = torch.ones(batch_size, dtype=torch.int64, device=runner.device)
+    runner.forward(ids, torch.ones_like(ids, dtype=torch.bool), ones)
+    return runner
+
+
+def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3) -> dict[int, float]:
+    """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    runner = _prefilled_runner(model, batch_size, context, vocab)
+    base = runner.lengths.clone()  # [B]
+    out = {}
+    for k in ks:
+        ids = torch.randint(3, vocab, (batch_size, k + 1)).to(runner.device)  # [B, K + 1]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        n = torch.full((batch_size,), k + 1, dtype=torch.int64, device=runner.device)
+        out[k] = median_time(lambda: runner.forward(ids, valid, n), reps, runner.device, lambda: runner.rollback(base))
+    return out

@@ -1,0 +1,44 @@
+"""GPU tests (issue 8): collected everywhere, run only where CUDA is available.
+
+Every test under tests/gpu is marked `gpu` and skipped cleanly on a machine without
+CUDA, so `python -m pytest tests/gpu -q` on the CPU machine reports them all skipped.
+`RAYSD_GPU_TESTS_ON_CPU=1` runs them on the CPU instead (same bf16 arithmetic, no
+CUDA kernels): a dry run of the test code itself, not a GPU result.
+See docs/gpu.md for how to run them on a lent GPU machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.gpu_helpers import DEVICE, RUNNABLE, SKIP_REASON
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where torch.cuda.is_available() is False")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skipif(not RUNNABLE, reason=SKIP_REASON)
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.gpu)
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _exact_fp32_matmuls():
+    """fp32 references on CUDA must be fp32, not TF32 (TF32 rounds operands to 10 bits)."""
+    if DEVICE.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old

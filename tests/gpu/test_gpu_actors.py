@@ -1,0 +1,108 @@
+"""The Ray pipeline on one GPU (issue 8, part 1): draft and target actors with
+num_gpus=0.5 each share the device; models in bf16 (and fp32 for the exact check).
+
+* One micro-batch as wide as the engine's batch makes the same batches, in the same
+  order, with the same kernels as the in-process engine on the same GPU: the tokens must
+  be identical, bit for bit (cuBLAS is deterministic for a given shape and GPU).
+* Two micro-batches make other batch shapes: fp32 tokens equal HF's exactly; bf16 tokens
+  equal HF bf16 greedy up to the first near-tie (gpu_helpers).
+* Seeded sampling through the actors equals the engine's.
+
+Skipped without CUDA (see conftest); RAYSD_GPU_TESTS_ON_CPU=1 dry-runs them on the CPU
+with num_gpus=0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+import tests.conftest as conftest  # noqa: E402
+import tests.gpu.gpu_helpers as gpu_helpers  # noqa: E402
+from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator  # noqa: E402
+from raysd.core.sampling import SamplingParams  # noqa: E402
+from raysd.engine.drafters import DraftModelDrafter  # noqa: E402
+from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
+from raysd.engine.rows import Request  # noqa: E402
+from tests.conftest import EOS, VOCAB  # noqa: E402
+from tests.gpu.gpu_helpers import DEVICE, check_greedy_close, hf_greedy, tiny_factory, tiny_on_device  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(conftest)
+ray.cloudpickle.register_pickle_by_value(gpu_helpers)
+
+GPU_SHARE = 0.5 if DEVICE.type == "cuda" else 0.0
+RES = ActorResources(num_cpus=1, num_gpus=GPU_SHARE)
+K, MAX_NEW = 4, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def prompts(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 11, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+def requests(ps, **params):
+    return [Request(i, p, SamplingParams(**{"seed": i, "max_new_tokens": MAX_NEW, **params})) for i, p in enumerate(ps)]
+
+
+def coordinator(dtype, micro_batch_size, num_micro_batches):
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
+                            eos_token_ids=(EOS,), draft_resources=RES, target_resources=RES)
+    return SpecCoordinator(tiny_factory("llama", 0, dtype=dtype), DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=dtype)), cfg)
+
+
+def engine_tokens(dtype, batch, reqs):
+    target = tiny_on_device("llama", 0, dtype=dtype)
+    draft = tiny_on_device("llama", 1, layers=1, dtype=dtype)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(K, batch, (EOS,)))
+    return [r.token_ids for r in engine.generate(reqs)]
+
+
+def test_actors_are_on_the_gpu_and_share_it():
+    with coordinator(torch.bfloat16, 4, 2) as c:
+        assert c.target_info.device.startswith(DEVICE.type) and c.draft_info.device.startswith(DEVICE.type)
+        assert c.target_info.pid != c.draft_info.pid
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_micro_batch_is_bitwise_the_engine(dtype):
+    reqs = requests(prompts())
+    with coordinator(dtype, 4, 1) as c:
+        out = c.generate(reqs)
+    assert [r.token_ids for r in out.results] == engine_tokens(dtype, 4, reqs)
+
+
+def test_two_micro_batches_fp32_equal_hf_exactly():
+    reqs = requests(prompts(seed=1))
+    target = tiny_on_device("llama", 0, dtype=torch.float32)
+    with coordinator(torch.float32, 3, 2) as c:
+        out = c.generate(reqs)
+    assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), MAX_NEW) for r in reqs]
+    assert out.report.steps > 0 and out.report.transfer.sparse_steps == out.report.transfer.steps
+
+
+def test_two_micro_batches_bf16_equal_hf_up_to_near_ties():
+    reqs = requests(prompts(seed=2))
+    target = tiny_on_device("llama", 0, dtype=torch.bfloat16)
+    with coordinator(torch.bfloat16, 3, 2) as c:
+        out = c.generate(reqs)
+    ps = [list(r.prompt_token_ids) for r in reqs]
+    check_greedy_close(target, ps, [r.token_ids for r in out.results], [hf_greedy(target, p, MAX_NEW) for p in ps])
+    print("overlap efficiency on one GPU:", out.report.overlap_efficiency)
+
+
+def test_seeded_sampling_through_actors_equals_engine():
+    reqs = requests(prompts(8, seed=3), temperature=0.8, top_k=20, top_p=0.9)
+    with coordinator(torch.bfloat16, 4, 1) as c:
+        out = c.generate(reqs)
+    assert [r.token_ids for r in out.results] == engine_tokens(torch.bfloat16, 4, reqs)

@@ -1,0 +1,139 @@
+"""The static-cache runner on a CUDA device (issue 8, part 2): exact logits, no host
+synchronisation in a decode step, a step captured as a CUDA graph that replays exactly,
+and the engine over static runners in bf16.
+
+Skipped without CUDA (see conftest); RAYSD_GPU_TESTS_ON_CPU=1 dry-runs the parts that do
+not need CUDA (the sync and CUDA-graph tests skip there).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from raysd.engine.sequences import SequenceState
+from raysd.models.runner import ModelRunner
+from raysd.models.static_runner import CudaGraphStep, StaticModelRunner
+from tests.conftest import EOS, VOCAB
+from tests.engine.test_equivalence import prompts as make_prompts
+from tests.gpu.gpu_helpers import DEVICE, check_greedy_close, hf_greedy, tiny_on_device
+
+needs_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA itself")
+
+
+def right_aligned(rows, width=None):
+    width = width or max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r)
+            valid[b, width - len(r):] = True
+    return ids.to(DEVICE), valid.to(DEVICE)
+
+
+@torch.inference_mode()
+def reference(model, tokens, n):
+    return model(torch.tensor([tokens], device=DEVICE)).logits[0, -n:].float()
+
+
+def steps(model, runner, rng, hist, n_steps=6, width=5, step=None):
+    """Feed `width` tokens per row per step (left-padded when fewer), check logits against the
+    unpadded reference, roll back a random 0-3 tokens per row."""
+    for _ in range(n_steps):
+        new = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, width))] for _ in hist]
+        ids, valid = right_aligned(new, width)
+        num = torch.tensor([len(x) for x in new], device=DEVICE)
+        logits = step(ids, valid, num) if step else runner.forward(ids, valid, num, max_logits=width)
+        hist = [h + x for h, x in zip(hist, new)]
+        for b, (h, x) in enumerate(zip(hist, new)):
+            torch.testing.assert_close(logits[b, : len(x)], reference(model, h, len(x)), atol=1e-4, rtol=0)
+        drop = [rng.randint(0, min(3, len(h) - 1)) for h in hist]
+        runner.rollback(runner.lengths - torch.tensor(drop, device=DEVICE))
+        hist = [h[: len(h) - d] for h, d in zip(hist, drop)]
+    return hist
+
+
+def prefilled(model, rng, rows=4, max_cache_len=64):
+    runner = StaticModelRunner(model, max_cache_len=max_cache_len)
+    runner.add_rows(rows)
+    hist = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(rows)]
+    runner.forward(*right_aligned(hist), torch.ones(rows, dtype=torch.int64, device=DEVICE))
+    return runner, hist
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp32_static_runner_on_device_matches_unpadded_reference(arch):
+    model = tiny_on_device(arch, dtype=torch.float32)
+    rng = random.Random(0)
+    runner, hist = prefilled(model, rng, max_cache_len=40)  # small: compactions happen
+    steps(model, runner, rng, hist, n_steps=12)
+
+
+@needs_cuda
+def test_a_decode_step_makes_no_host_synchronisation():
+    model = tiny_on_device("llama", dtype=torch.bfloat16)
+    rng = random.Random(1)
+    runner, hist = prefilled(model, rng)
+    ids, valid = right_aligned([[5, 6, 7, 8, 9]] * 4)
+    num = torch.full((4,), 5, device=DEVICE)
+    runner.forward(ids, valid, num, max_logits=5)  # warm-up (lazy allocations)
+    runner.rollback(runner.lengths - 5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.forward(ids, valid, num, max_logits=5)
+        runner.rollback(runner.lengths - 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_step_replays_exactly(dtype):
+    """The captured step gives the eager step's logits (fp32: to the reference; bf16: bit for
+    bit against an eager twin fed the same inputs), through rollbacks and compactions."""
+    model = tiny_on_device("llama", dtype=dtype)
+    if dtype == torch.float32:
+        rng = random.Random(2)
+        runner, hist = prefilled(model, rng, max_cache_len=48)
+        step = CudaGraphStep(runner, width=5, max_logits=5)
+        steps(model, runner, rng, hist, n_steps=12, step=step)
+        return
+    rng_a, rng_b = random.Random(3), random.Random(3)
+    graphed, _ = prefilled(model, rng_a, max_cache_len=48)
+    eager, _ = prefilled(model, rng_b, max_cache_len=48)
+    step = CudaGraphStep(graphed, width=5, max_logits=5)
+    for _ in range(12):
+        new = [[rng_a.randrange(3, VOCAB) for _ in range(rng_a.randint(1, 5))] for _ in range(4)]
+        ids, valid = right_aligned(new, 5)
+        num = torch.tensor([len(x) for x in new], device=DEVICE)
+        assert torch.equal(step(ids, valid, num), eager.forward(ids, valid, num, max_logits=5))
+        drop = torch.tensor([rng_a.randint(0, 2) for _ in range(4)], device=DEVICE)
+        graphed.rollback(graphed.lengths - drop)
+        eager.rollback(eager.lengths - drop)
+    graphed.select([0, 1])
+    with pytest.raises(RuntimeError, match="moved"):
+        step(ids, valid, num)
+
+
+def test_bf16_engine_over_static_runners_matches_hf_up_to_near_ties():
+    target = tiny_on_device("llama", dtype=torch.bfloat16)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 8, (EOS,)))
+    engine.verifier.seqs = SequenceState(StaticModelRunner(target, max_cache_len=96))
+    engine.drafter.seqs = SequenceState(StaticModelRunner(draft, vocab_size=VOCAB, max_cache_len=96))
+    ps = make_prompts()
+    results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])
+    check_greedy_close(target, ps, [r.token_ids for r in results], [hf_greedy(target, p, 24) for p in ps])
+    # and against the dynamic-cache engine, the same model in bf16
+    dyn = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 8, (EOS,)))
+    assert isinstance(dyn.verifier.seqs.runner, ModelRunner)
+    check_greedy_close(target, ps, [r.token_ids for r in results],
+                       [r.token_ids for r in dyn.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])])
