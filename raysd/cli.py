@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "generate": ("raysd.jobs.cli", "generate completions for a prompt dataset (Parquet in, Parquet out)"),
     "study": ("raysd.study.cli", "profile a model pair and compare measured speedups with the theory"),
+    "distill": ("raysd.distill.cli", "train a small draft model for a target by distillation"),
 }
 
 

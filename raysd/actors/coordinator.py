@@ -75,6 +75,7 @@ class CoordinatorConfig:
     max_actor_restarts: int = 3  # Ray restarts a dead actor this many times
     max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
     measure_bytes: bool = True
+    placement_timeout_s: float = 180.0  # give up (with a clear error) if the actors cannot be placed
     # Choose K in 0..num_speculative_tokens each step (raysd.engine.adaptive), e.g. with
     # costs from `profile_step_costs`; None: always num_speculative_tokens.
     adaptive: AdaptiveConfig | None = None
@@ -158,7 +159,15 @@ class SpecCoordinator:
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         bundles = [config.target_resources.bundle(), config.draft_resources.bundle()]
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
-        ray.get(self.placement_group.ready())
+        try:
+            ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"could not place the draft and target actors ({bundles}, {config.placement_strategy}) within "
+                f"{config.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
+                "On a machine without GPUs use ActorResources(num_gpus=0)."
+            ) from None
         self.target = self._actor(TargetActor, 0, config.target_resources).remote(target_factory)
         # The draft starts (and loads its model) while the target loads; Ray hands it the
         # target's vocabulary size once known, and again on every restart.

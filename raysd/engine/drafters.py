@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.sequences import SequenceState
+from raysd.models.loading import output_vocab_size
 from raysd.models.runner import ModelRunner
 
 
@@ -89,7 +90,7 @@ class DraftModelDrafter(Drafter):
         self.name = name
         self.draft_top_m = draft_top_m
         self.target_vocab_size = target_vocab_size
-        own_vocab = model.get_output_embeddings().weight.shape[0]
+        own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
         self.seqs = SequenceState(ModelRunner(model, vocab_size=min(own_vocab, target_vocab_size)))

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
                         "and step costs profiled at start-up (default: 4)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
+    m.add_argument("--allow-pickle-weights", action="store_true",
+                   help="load pickled weights (pytorch_model.bin, .pt) when a model has no safetensors; unpickling runs "
+                   "code from the file, so only for files you trust (default: refuse them)")
 
     s = p.add_argument_group("sampling (per-row columns max_new_tokens, temperature, seed override these)")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"(default: {DEFAULT_MAX_NEW_TOKENS})")

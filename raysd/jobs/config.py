@@ -48,6 +48,7 @@ class GenerateConfig:
     overwrite: bool = False
     quiet: bool = False
     trust_remote_code: bool = False
+    allow_pickle_weights: bool = False  # unpickle .bin/.pt model weights (runs code from the file): trusted files only
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

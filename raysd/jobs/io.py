@@ -152,7 +152,13 @@ def decode_json_value(text):
 def output_json_value(text):
     """The output value of a mixed-type column: strings as they are, anything else as JSON text."""
     value = decode_json_value(text)
-    return value if value is None or isinstance(value, str) else text
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): keep its JSON text
+            return text
+        return value
+    return None if value is None else text
 
 
 def parse_json_lines(lines: list[str], schema: pa.Schema, json_columns: frozenset[str], where: str = "") -> pa.Table:

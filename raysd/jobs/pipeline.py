@@ -122,6 +122,27 @@ class AssignIds:
         return conform(batch, self.schema)
 
 
+def _rows_of(batch: pa.Table) -> tuple[list[dict], dict[int, str]]:
+    """The batch's rows as dicts, and {row: why not} for rows holding a string that is not valid
+    UTF-8 (possible in a Parquet input): such a value becomes null and its row an error row,
+    instead of failing the whole batch."""
+    try:
+        return batch.to_pylist(), {}
+    except UnicodeDecodeError:
+        pass
+    rows, bad = [], {}
+    for i in range(batch.num_rows):
+        row = {}
+        for name in batch.column_names:
+            try:
+                row[name] = batch.column(name)[i].as_py()
+            except UnicodeDecodeError:
+                row[name] = None
+                bad.setdefault(i, f"column {name!r} is not valid UTF-8")
+        rows.append(row)
+    return rows, bad
+
+
 class GenerateReplica:
     """The generation stage's callable class: Ray Data runs `--replicas` of these as a fixed
     actor pool. Each owns one `GenerationReplica` (a SpecCoordinator: a draft and a target
@@ -146,10 +167,13 @@ class GenerateReplica:
         from raysd.jobs.replica import GenerationReplica, error_output
 
         cfg = self.cfg
-        rows = batch.to_pylist()
+        rows, bad = _rows_of(batch)
         outputs: list[dict | None] = [None] * len(rows)
         payload, index = [], []
         for i, row in enumerate(rows):
+            if i in bad:
+                outputs[i] = error_output(cfg, row[cfg.id_column], bad[i])
+                continue
             if row.get(ID_ERROR):
                 outputs[i] = error_output(cfg, row[cfg.id_column], row[ID_ERROR])
                 continue

@@ -35,7 +35,15 @@ def _is_int(x) -> bool:
 
 
 def prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] | None, str | None]:
-    """(token ids, None) or (None, why not)."""
+    """(token ids, None) or (None, why not). Never raises: a prompt the tokenizer rejects is an error row."""
+    try:
+        return _prompt_token_ids(prompt, tokenizer, chat_template)
+    except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate ("\ud800" in JSON) the tokenizer cannot encode
+        text = str(exc).strip().splitlines()
+        return None, f"prompt cannot be tokenized: {type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] | None, str | None]:
     if prompt is None:
         return None, "prompt is null"
     if isinstance(prompt, str):
@@ -203,9 +211,11 @@ class GenerationReplica:
         thread = threading.Thread(target=load_tok, daemon=True)
         thread.start()
         gpus = cfg.num_gpus_per_actor
-        target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code)
+        target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code,
+                                allow_pickle_weights=cfg.allow_pickle_weights)
         if cfg.draft_is_model:
-            draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code)
+            draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
+                                    allow_pickle_weights=cfg.allow_pickle_weights)
             drafter = DrafterSpec(functools.partial(load_model, draft_spec))
             draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus)
         else:  # n-gram lookup or no drafting: no model, no GPU

@@ -86,8 +86,8 @@ def check_job(cfg: GenerateConfig) -> tuple[InputSource, OutputStore, pa.Schema]
     schema = output_schema(id_field, passthrough_fields(source.schema, cfg.id_column))
     for name in (cfg.target,) + ((cfg.draft,) if cfg.draft not in (NGRAM, NO_DRAFT) else ()):
         try:
-            check_model_exists(name)
-        except FileNotFoundError as exc:
+            check_model_exists(name, cfg.allow_pickle_weights)
+        except (FileNotFoundError, ValueError) as exc:  # missing, or pickled weights not allowed
             raise JobError(str(exc)) from None
     store = OutputStore(cfg.output)
     return source, store, schema

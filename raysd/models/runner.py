@@ -17,12 +17,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from raysd.models.loading import output_vocab_size
+
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None):
         self.model = model
         self.device = next(model.parameters()).device
-        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size or output_vocab_size(model)
         self.num_embeddings = model.get_input_embeddings().num_embeddings
         self.cache = DynamicCache()  # full-attention layers for every model; see max_model_len
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, L] real tokens

@@ -32,6 +32,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from raysd.models.loading import output_vocab_size
+
 SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: K + 1, drafting: 1)
 
 
@@ -88,7 +90,7 @@ class StaticModelRunner:
             raise ValueError(f"StaticModelRunner passes a 4D mask; attention implementation {impl!r} is not supported")
         self.model = model
         self.device = next(model.parameters()).device
-        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size or output_vocab_size(model)
         self.num_embeddings = model.get_input_embeddings().num_embeddings
         self.max_cache_len = max_cache_len
         self.checks = checks

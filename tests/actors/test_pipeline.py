@@ -211,3 +211,10 @@ def test_auto_speculation_length_through_the_actors(random_draft):
     for r in out.results:
         assert 0 <= r.stats.mean_speculation_length <= K
         assert r.stats.num_draft_tokens <= r.stats.speculation_length_sum
+
+
+def test_unplaceable_actors_fail_fast_with_a_clear_error():
+    gpu = ActorResources(num_cpus=1, num_gpus=1)  # this machine has no GPU
+    cfg = CoordinatorConfig(draft_resources=gpu, target_resources=gpu, placement_timeout_s=2)
+    with pytest.raises(RuntimeError, match="could not place"):
+        SpecCoordinator(factory("llama", 0), DrafterSpec(None), cfg)

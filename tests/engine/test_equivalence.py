@@ -150,3 +150,15 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert sample(8, range(len(ps))) == alone
     assert sample(3, reversed(range(len(ps)))) == alone
     assert sample(8, range(len(ps))) == sample(8, range(len(ps)))
+
+
+def test_dynamically_quantized_draft_loads_and_changes_nothing():
+    """An int8 draft whose head is quantized too has no `weight` tensor on its lm_head."""
+    from torch.ao.quantization import quantize_dynamic
+
+    target = tiny_model("llama")
+    draft = quantize_dynamic(tiny_model("llama", seed=4, layers=1), {torch.nn.Linear}, dtype=torch.qint8)
+    assert not isinstance(draft.get_output_embeddings().weight, torch.Tensor)
+    ps = prompts()
+    expected = [hf_greedy(target, p, 16) for p in ps]
+    assert [r.token_ids for r in run(target, DraftModelDrafter(draft, VOCAB), ps, 4, 8, 16)] == expected

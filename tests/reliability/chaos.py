@@ -1,0 +1,227 @@
+"""Fault injection helpers shared by the chaos tests and bench/soak.py-style offline trials.
+
+A trial runs a real `raysd.jobs.generate` job (in a background thread, on the test's local
+Ray) or a real `python -m raysd generate` driver (a subprocess), SIGKILLs one process while
+the job runs, and returns what the output holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Ray class names of the processes a fault kills. The generation stage's Ray Data actor is named
+# after its operator: MapWorker(MapBatches(GenerateReplica)).
+VICTIMS = {"target": "TargetActor", "draft": "DraftActor", "replica": "MapWorker(MapBatches(GenerateReplica))"}
+
+
+def alive_pids(class_name: str) -> list[int]:
+    """Pids of this Ray session's ALIVE actors of a class (straight from the GCS: works without the dashboard)."""
+    import ray
+
+    table = ray._private.state.actors()
+    return sorted(a["Pid"] for a in table.values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["Pid"])
+
+
+def part_rows(out: Path) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in sorted(Path(out).glob("part-*.parquet")))
+
+
+@dataclass
+class Outcome:
+    fault: str
+    rows_in: int
+    rows_out: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    token_mismatches: int = 0
+    error_rows: int = 0
+    rows_written_at_kill: int = 0
+    killed_pid: int | None = None
+    restarted_pid: int | None = None
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def compare(outcome: Outcome, rows: list[dict], id_column: str, expected: dict) -> Outcome:
+    """Fill lost / duplicated / mismatches from the output rows against the clean tokens by id."""
+    ids = [r[id_column] for r in rows]
+    outcome.rows_out = len(ids)
+    outcome.duplicated = len(ids) - len(set(ids))
+    outcome.lost = len(set(expected) - set(ids))
+    got = {r[id_column]: r for r in rows}
+    outcome.token_mismatches = sum(1 for k, toks in expected.items() if k in got and got[k]["generated_token_ids"] != toks)
+    outcome.error_rows = sum(1 for r in rows if r["finish_reason"] == "error")
+    return outcome
+
+
+def kill_actor_mid_job(cfg, fault: str, min_rows_written: int = 1, timeout: float = 300) -> tuple[Outcome, object]:
+    """Run `cfg` in a thread; once `min_rows_written` rows are in parts, SIGKILL the fault's process.
+
+    Returns (outcome without the comparison, the job's summary). Raises what the job raised.
+    """
+    from raysd.jobs import generate
+
+    out = Path(cfg.output)
+    box: dict = {}
+
+    def run():
+        try:
+            box["summary"] = generate(cfg)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            box["error"] = exc
+
+    start = time.monotonic()
+    job = threading.Thread(target=run, daemon=True)
+    job.start()
+    outcome = Outcome(fault, rows_in=0)
+    victim = VICTIMS[fault]
+    while True:
+        assert job.is_alive(), f"the job ended before the {fault} kill: {box}"
+        assert time.monotonic() - start < timeout, "no rows written in time"
+        pids = alive_pids(victim)
+        if pids and part_rows(out) >= min_rows_written:
+            break
+        time.sleep(0.05)
+    outcome.rows_written_at_kill = part_rows(out)
+    outcome.killed_pid = pids[0]
+    os.kill(pids[0], signal.SIGKILL)
+    while job.is_alive() and outcome.restarted_pid is None:  # Ray brings a new one up while the job runs
+        fresh = [p for p in alive_pids(victim) if p != outcome.killed_pid]
+        outcome.restarted_pid = fresh[0] if fresh else None
+        time.sleep(0.05)
+    job.join(timeout)
+    assert not job.is_alive(), "the job hung after the kill"
+    outcome.wall_s = time.monotonic() - start
+    if "error" in box:
+        raise box["error"]
+    return outcome, box["summary"]
+
+
+_PROGRESS = re.compile(r"(\d+) rows generated, (\d+) written")
+
+# The driver with its progress line every 0.2 s instead of 10 s, so the kill knows how many rows
+# had been generated (and not yet written) at that moment.
+_DRIVER = ("import sys, raysd.jobs.runner as r; r._PROGRESS_EVERY_S = 0.2; "
+           "from raysd.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def kill_driver_mid_job(args: list[str], out: Path, min_rows_written: int = 1, timeout: float = 400) -> dict:
+    """Start the driver (its own process group: the driver plus the Ray it starts), SIGKILL the group
+    once a progress line reports at least `min_rows_written` rows written, re-run the same command.
+
+    Returns {written_at_kill, generated_at_kill (last progress line), in_parts (rows in complete
+    parts after the kill), rerun: the re-run's summary}.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-c", _DRIVER, "generate", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    last = {"generated": 0, "written": 0}
+    tail: list[str] = []
+    killed = threading.Event()
+
+    def watch():
+        for line in proc.stderr:
+            tail.append(line)
+            del tail[:-50]
+            m = _PROGRESS.search(line)
+            if m:
+                last["generated"], last["written"] = int(m.group(1)), int(m.group(2))
+                if last["written"] >= min_rows_written and not killed.is_set():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    try:
+        if not killed.wait(timeout):
+            raise AssertionError("no progress line with rows written in time: " + "".join(tail[-20:]))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+    in_parts = part_rows(out)
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    return {"written_at_kill": last["written"], "generated_at_kill": last["generated"], "in_parts": in_parts,
+            "rerun": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Offline trials for docs/reliability.md: python -m tests.reliability.chaos --trials 3 --rows 64."""
+    import argparse
+    import dataclasses
+    import tempfile
+
+    import ray
+
+    from raysd.core.sampling import SamplingParams
+    from raysd.jobs import GenerateConfig
+    from tests.conftest import tiny_model
+    from tests.jobs.conftest import token_prompts
+    from tests.jobs.test_generate import reference
+    from tests.reliability.conftest import read_rows
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--faults", default="target,draft,replica,driver")
+    a = p.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="raysd-chaos-"))
+    target, draft = root / "target", root / "draft"
+    tiny_model("llama", seed=0).save_pretrained(target)
+    tiny_model("llama", seed=1, layers=1).save_pretrained(draft)
+    prompts = token_prompts(a.rows, seed=11)
+    inp = root / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"key": f"k{i:05d}", "prompt": q}) + "\n" for i, q in enumerate(prompts)))
+    ref = reference(str(target), str(draft), prompts, [SamplingParams(max_new_tokens=a.max_new_tokens)] * a.rows)
+    expected = {f"k{i:05d}": t for i, t in enumerate(ref)}
+    faults = a.faults.split(",")
+    actor_faults = [f for f in faults if f != "driver"]
+    if actor_faults:
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _node_ip_address="127.0.0.1")
+    for trial in range(a.trials):
+        for fault in faults:
+            out = root / f"out-{fault}-{trial}"
+            try:
+                if fault == "driver":
+                    args = ["--input", str(inp), "--output", str(out), "--id-column", "key", "--target", str(target),
+                            "--draft", str(draft), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
+                            "--rows-per-file", "4", "--json"]
+                    got = kill_driver_mid_job(args, out)
+                    o = compare(Outcome("driver", a.rows), read_rows(out), "key", expected)
+                    o.rows_written_at_kill = got["in_parts"]
+                    o.extra = {"generated_at_kill": got["generated_at_kill"], "rerun_rows": got["rerun"]["rows_this_run"],
+                               "regenerated_in_flight": max(0, got["generated_at_kill"] - got["in_parts"])}
+                else:
+                    cfg = GenerateConfig(input=str(inp), output=str(out), id_column="key", target=str(target), draft=str(draft),
+                                         max_new_tokens=a.max_new_tokens, batch_size=4, rows_per_file=4, quiet=True)
+                    o, _ = kill_actor_mid_job(cfg, fault)
+                    o.rows_in = a.rows
+                    o = compare(o, read_rows(out), "key", expected)
+                print(json.dumps({"trial": trial, "outcome": "ok", **dataclasses.asdict(o)}), flush=True)
+            except Exception as exc:  # noqa: BLE001 - a failed trial is a figure too
+                print(json.dumps({"trial": trial, "fault": fault, "outcome": f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Fixtures for the reliability tests: tiny random models saved as safetensors, a tiny
+tokenizer with a chat template built in-process (no download), and one local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import ray
+
+from tests.conftest import EOS, VOCAB, tiny_model
+
+# The tiny tokenizer: 4 specials, then plain words; anything else is <unk>.
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = [f"w{i}" for i in range(VOCAB - len(SPECIALS) - 8)] + ["user", "assistant", "system", ":", "hello", "world", "the", "a"]
+# Unknown roles are refused by the template itself, as real templates do (raise_exception).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<s> {{ m['role'] }} : {{ m['content'] }} </s> "
+    "{% endfor %}{% if add_generation_prompt %}<s> assistant : {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A PreTrainedTokenizerFast over a WordLevel model built here, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    assert len(vocab) == VOCAB
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """(target, draft, target_with_tokenizer): safetensors only."""
+    root = tmp_path_factory.mktemp("rel-models")
+    target, draft, tok_target = root / "target", root / "draft", root / "target-tok"
+    tiny_model("llama", seed=0).save_pretrained(target)
+    tiny_model("llama", seed=1, layers=1).save_pretrained(draft)
+    shutil.copytree(target, tok_target)
+    tiny_tokenizer().save_pretrained(tok_target)
+    assert EOS == 2
+    return str(target), str(draft), str(tok_target)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head.
+    started = False
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _node_ip_address="127.0.0.1")
+        started = True
+    yield
+    if started:
+        ray.shutdown()
+
+
+def read_rows(out) -> list[dict]:
+    import pyarrow.parquet as pq
+    from pathlib import Path
+
+    parts = sorted(Path(out).glob("part-*.parquet"))
+    return [r for p in parts for r in pq.read_table(p).to_pylist()]
