@@ -57,8 +57,15 @@ def test_driver_killed_mid_job_then_rerun(tmp_path, model_dirs):
             pass
         proc.wait(timeout=60)
 
+    # A Ray write task that was already running can still commit its part (atomically) just
+    # after the driver dies; count the parts once they have stopped changing.
+    killed_parts, stable_since, deadline = _parts(out), time.monotonic(), time.monotonic() + 90
+    while time.monotonic() - stable_since < 5 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _parts(out)
+        if now != killed_parts:
+            killed_parts, stable_since = now, time.monotonic()
     # Every part that counts is complete (readable); anything half-written is under _tmp/.
-    killed_parts = _parts(out)
     done_before = 0
     for part in killed_parts:
         done_before += pq.read_table(part).num_rows
