@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
 
     # Steady state: from the first written part to the last sample before the output is complete
     # (model loading and start-up excluded, and so is the teardown, when the actors exit).
-    steady = [s for s in samples if 0 < s["rows"] < a.rows]
+    steady = [s for s in samples if 0 < s["rows"] < a.rows and s["rss_mib"].get("target_actor", 0) > 0]
     classes = sorted({c for s in samples for c in s["rss_mib"]})
     per_class = {}
     for c in classes:
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
         "generated_tokens": summary.generated_tokens, "tokens_per_s": summary.tokens_per_s,
         "config": {k: getattr(cfg, k) for k in ("max_new_tokens", "batch_size", "rows_per_file", "replicas")} | {"draft": a.draft},
         "samples": len(samples), "sample_s": a.sample_s, "rss": per_class, "windows": windows,
-        "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(),
+        "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "series": samples,
     }
     print(f"soak: {len(out)} rows ({len(set(out))} unique) in {wall:.0f}s, {summary.tokens_per_s:.1f} tok/s overall")
     for c, r in per_class.items():

@@ -155,7 +155,15 @@ def kill_driver_mid_job(args: list[str], out: Path, min_rows_written: int = 1, t
         except ProcessLookupError:
             pass
         proc.wait(timeout=60)
-    in_parts = part_rows(out)
+    # The driver is gone, but a Ray worker that was inside a write task can still rename its part
+    # into place for a moment (it outlives the driver until it notices the raylet is gone). Wait
+    # until the parts stop changing before counting them.
+    in_parts, stable_since = part_rows(out), time.monotonic()
+    while time.monotonic() - stable_since < 3:
+        time.sleep(0.2)
+        now = part_rows(out)
+        if now != in_parts:
+            in_parts, stable_since = now, time.monotonic()
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])

@@ -18,12 +18,14 @@ def test_soak_2000_rows_flat_memory_steady_throughput(tmp_path):
     spec.loader.exec_module(soak)
     r = soak.main(["--rows", "2000", "--rows-per-file", "64", "--sample-s", "1", "--windows", "4", "--json", str(tmp_path / "soak.json")])
     assert r["rows_out"] == r["unique_ids"] == 2000
-    # Flat memory: whatever per-row growth there is stays under 4 KiB/row (8 MiB over the run) for the
-    # model actors and the driver, and the total grows by less than 256 MiB start to end.
+    # Flat memory in raysd's processes: per-row growth under 4 KiB/row (8 MiB over the run) and under
+    # 64 MiB start to max, for the driver, the model actors and the replica. (Ray's own processes are
+    # reported, not asserted: Ray starts and reaps idle workers with the machine's load.)
     for name in ("driver", "target_actor", "draft_actor", "replica_actor"):
-        slope = r["rss"].get(name, {}).get("slope_bytes_per_row")
-        assert slope is None or slope < 4096, (name, r["rss"][name])
-    assert r["rss"]["all"]["end_mib"] - r["rss"]["all"]["start_mib"] < 256, r["rss"]["all"]
+        r_ = r["rss"].get(name)
+        assert r_ is not None, (name, sorted(r["rss"]))
+        assert r_["slope_bytes_per_row"] is None or r_["slope_bytes_per_row"] < 4096, (name, r_)
+        assert r_["max_mib"] - r_["start_mib"] < 64, (name, r_)
     rates = [w["tokens_per_s"] for w in r["windows"]]
     if len(rates) >= 3:  # no decay: the last window keeps at least a third of the best one (a loaded 2-core box is noisy)
         assert rates[-1] >= max(rates) / 3, rates
