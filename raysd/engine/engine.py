@@ -146,7 +146,7 @@ class SpecEngine:
         # 3. Verify: one target pass over K + 1 positions, then the rejection test.
         Kp = proposal.draft_token_ids.shape[1]
         out = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate)
-        tokens, tested, accepted, overlaps = out.per_row()
+        tokens, _, accepted, overlaps = out.per_row()
         t2 = time.perf_counter()
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
         drafted = proposal.num_draft_tokens.tolist()

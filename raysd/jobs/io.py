@@ -162,18 +162,19 @@ def output_json_value(text):
 
 
 def parse_json_lines(lines: list[str], schema: pa.Schema, json_columns: frozenset[str], where: str = "") -> pa.Table:
-    rows = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise JobError(f"{where}not valid JSON ({exc.msg}): {line[:80]!r}") from None
-        if not isinstance(row, dict):
-            raise JobError(f"{where}each line must be a JSON object: {line[:80]!r}")
-        rows.append(row)
+    rows = [_json_object(line, where, f": {line[:80]!r}") for line in lines if line.strip()]
     return _encode_json_rows(rows, schema, json_columns)
+
+
+def _json_object(line: str, where: str, shown: str = "") -> dict:
+    """One JSON Lines row, or a one-line JobError naming where it is."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise JobError(f"{where}not valid JSON ({exc.msg}){shown}") from None
+    if not isinstance(row, dict):
+        raise JobError(f"{where}each line must be a JSON object{shown}")
+    return row
 
 
 def _encode_json_rows(rows: list[dict], schema: pa.Schema, json_columns: frozenset[str]) -> pa.Table:
@@ -218,15 +219,8 @@ class JsonlSource(InputSource):
         for path in self.files:
             with self.fs.open(path, "rt", encoding="utf-8") as f:
                 for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise JobError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                    if not isinstance(row, dict):
-                        raise JobError(f"{path}:{lineno}: each line must be a JSON object")
-                    yield row
+                    if line.strip():
+                        yield _json_object(line, f"{path}:{lineno}: ")
 
     def batches(self, batch_size: int) -> Iterator[list[dict]]:
         batch = []

@@ -22,19 +22,14 @@ from raysd.models.runner import ModelRunner
 from raysd.models.static_runner import CudaGraphStep, StaticModelRunner
 from tests.conftest import EOS, VOCAB
 from tests.engine.test_equivalence import prompts as make_prompts
+from tests.models.test_runner import right_aligned as cpu_right_aligned
 from tests.gpu.gpu_helpers import DEVICE, check_greedy_close, hf_greedy, tiny_on_device
 
 needs_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA itself")
 
 
 def right_aligned(rows, width=None):
-    width = width or max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, width - len(r):] = torch.tensor(r)
-            valid[b, width - len(r):] = True
+    ids, valid = cpu_right_aligned(rows, width)
     return ids.to(DEVICE), valid.to(DEVICE)
 
 
