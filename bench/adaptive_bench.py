@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import bf16_copy, load_prompts, loadavg, machine  # noqa: E402
+from bench.common import bf16_copy, load_prompts, loadavg, machine, median  # noqa: E402
 from raysd.core.sampling import SamplingParams  # noqa: E402
 from raysd.engine.adaptive import AdaptiveConfig, profile_step_costs  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
@@ -37,7 +37,9 @@ def run(target, make_drafter, prompts, k, batch, max_new, adaptive=None):
     wall = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
     mean_k = sum(r.stats.speculation_length_sum for r in results) / max(1, sum(r.stats.num_spec_steps for r in results))
-    return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "mean_k": mean_k}, [r.token_ids for r in results]
+    decode_s = wall - engine.timings.prefill_s  # prompt forwards are the same work whatever K is
+    return {"tokens_per_s": tokens / decode_s, "e2e_tokens_per_s": tokens / wall, "wall_s": wall, "decode_s": decode_s,
+            "tokens": tokens, "mean_k": mean_k}, [r.token_ids for r in results]
 
 
 def main() -> None:
@@ -49,10 +51,13 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=6, help="prompts per batch size: max(batch, this)")
     ap.add_argument("--out", default="bench/results/adaptive_bench.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (medians reported)")
+    ap.add_argument("--fixed-repeats", type=int, default=None,
+                    help="timed runs of each fixed K (default: --repeats; 0: plain vs auto only, K in 0..max(--ks))")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.batch_sizes, args.ks, args.max_new_tokens, args.min_prompts = "1,4", "2,4", 8, 2
+        args.batch_sizes, args.ks, args.max_new_tokens, args.min_prompts, args.repeats = "1,4", "2,4", 8, 2, 1
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
     torch.set_num_threads(args.threads)
@@ -72,22 +77,39 @@ def main() -> None:
     for B in sizes:
         prompts = all_prompts[: max(B, args.min_prompts)]
         load = loadavg()
-        plain, reference = run(target, lambda: NoDrafter(vocab), prompts, 0, B, args.max_new_tokens)
-        fixed = {}
-        for k in ks:
-            fixed[k], tokens = run(target, make, prompts, k, B, args.max_new_tokens)
-            assert tokens == reference, f"K={k} B={B}: tokens differ from plain decoding"
-        auto, tokens = run(target, make, prompts, max(ks), B, args.max_new_tokens, adaptive)
-        assert tokens == reference, f"auto B={B}: tokens differ from plain decoding"
-        best_k = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        fixed_repeats = args.repeats if args.fixed_repeats is None else args.fixed_repeats
+        configs = {"plain": (lambda: NoDrafter(vocab), 0, None), **{k: (make, k, None) for k in ks},
+                   "auto": (make, max(ks), adaptive)}
+        timings: dict = {name: [] for name in configs}
+        reference = None
+        for rep in range(args.repeats):  # interleaved, so drifts in machine load hit every config alike
+            for name, (drafter, k, adapt) in configs.items():
+                if name not in ("plain", "auto") and rep >= fixed_repeats:
+                    continue
+                result, tokens = run(target, drafter, prompts, k, B, args.max_new_tokens, adapt)
+                reference = tokens if reference is None else reference
+                assert tokens == reference, f"{name} B={B}: tokens differ from plain decoding"
+                timings[name].append(result)
+        med = {name: {"tokens_per_s": median([r["tokens_per_s"] for r in rs]),
+                      "e2e_tokens_per_s": median([r["e2e_tokens_per_s"] for r in rs]), "mean_k": rs[-1]["mean_k"]}
+               for name, rs in timings.items() if rs}
+        plain, auto, fixed = med["plain"], med["auto"], {k: med[k] for k in ks if k in med}
         row = {
-            "batch_size": B, "prompts": len(prompts), "loadavg": load,
-            "plain_tok_s": plain["tokens_per_s"], **{f"k{k}_tok_s": fixed[k]["tokens_per_s"] for k in ks},
-            "auto_tok_s": auto["tokens_per_s"], "auto_mean_k": auto["mean_k"], "best_fixed_k": best_k,
-            "auto_vs_best_fixed": auto["tokens_per_s"] / fixed[best_k]["tokens_per_s"],
+            "batch_size": B, "prompts": len(prompts), "repeats": args.repeats, "fixed_repeats": fixed_repeats,
+            "loadavg": [load, loadavg()], "plain_tok_s": plain["tokens_per_s"],
+            **{f"k{k}_tok_s": fixed[k]["tokens_per_s"] for k in fixed},
+            "auto_tok_s": auto["tokens_per_s"], "auto_mean_k": auto["mean_k"],
             "auto_vs_plain": auto["tokens_per_s"] / plain["tokens_per_s"],
-            "best_fixed_vs_plain": fixed[best_k]["tokens_per_s"] / plain["tokens_per_s"],
+            "e2e_auto_vs_plain": auto["e2e_tokens_per_s"] / plain["e2e_tokens_per_s"],
         }
+        if fixed:
+            best_k = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+            row.update({
+                "best_fixed_k": best_k,
+                "auto_vs_best_fixed": auto["tokens_per_s"] / fixed[best_k]["tokens_per_s"],
+                "best_fixed_vs_plain": fixed[best_k]["tokens_per_s"] / plain["tokens_per_s"],
+                "e2e_auto_vs_best_fixed": auto["e2e_tokens_per_s"] / fixed[best_k]["e2e_tokens_per_s"],
+            })
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -96,10 +118,10 @@ def main() -> None:
            "step_costs": {"batch_sizes": costs.batch_sizes, "target_s": costs.target_s, "draft_s": costs.draft_s}, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
     cols = ["batch_size", "plain_tok_s"] + [f"k{k}_tok_s" for k in ks] + ["auto_tok_s", "auto_mean_k", "best_fixed_k",
-                                                                          "auto_vs_best_fixed", "auto_vs_plain", "loadavg"]
+                                                                          "auto_vs_best_fixed", "auto_vs_plain"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from raysd.actors.local import start_local_ray  # noqa: E402
 from raysd.core.sampling import SamplingParams  # noqa: E402
 from raysd.core.theory import expected_tokens_per_step, overlapped_speedup, serial_speedup  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter, NoDrafter  # noqa: E402
@@ -540,8 +541,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         import ray
 
-        ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        start_local_ray(num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, log_to_driver=False, configure_logging=False)
         try:
             ray_runs(args, target_factory, draft_factory, rows, V, prompts)
         finally:

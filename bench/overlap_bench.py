@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_prompts, loadavg, machine, median  # noqa: E402
 
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator  # noqa: E402
+from raysd.actors.local import start_local_ray  # noqa: E402
 from raysd.core.sampling import SamplingParams  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
@@ -101,7 +102,7 @@ def main():
             "tasks": [p["task"] for p in prompts], "loadavg_start": loadavg()}
     rows, tokens = [], {}
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never join another user's cluster
+    start_local_ray(num_cpus=2, log_to_driver=False)  # never join another user's cluster; loopback only
     info["actor_env"] = ray.get(ray.remote(num_cpus=1)(actor_threads).remote())
     eos = None
     for name in a.drafters:

@@ -27,6 +27,8 @@ import numpy as np
 import psutil
 import pyarrow.parquet as pq
 
+from raysd.actors.local import start_local_ray
+
 VOCAB = 96
 
 
@@ -128,8 +130,7 @@ def main(argv=None) -> dict:
                          max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, rows_per_file=a.rows_per_file, quiet=True)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, _node_ip_address="127.0.0.1")
+        start_local_ray(num_cpus=max(os.cpu_count() or 1, 2), log_to_driver=False, configure_logging=False)
     watcher = OutputWatcher(root / "out")
     samples: list[dict] = []
     box: dict = {}

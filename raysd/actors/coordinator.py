@@ -39,7 +39,7 @@ from raysd.actors.model_actors import (
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
-from raysd.engine.adaptive import AdaptiveConfig, StepCosts, choose_k, row_alpha
+from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
 from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -157,6 +157,7 @@ class SpecCoordinator:
     def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig):
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
+        self._k_controller: KController | None = None
         bundles = [config.target_resources.bundle(), config.draft_resources.bundle()]
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
         try:
@@ -177,6 +178,17 @@ class SpecCoordinator:
         self.vocab_size = self.target_info.vocab_size
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+
+    @property
+    def k_controller(self) -> KController | None:
+        """The adaptive-K controller of `config.adaptive`; its pooled acceptance lives as long as
+        the coordinator (every request it serves), and restarts if the config is replaced."""
+        adaptive = self.config.adaptive
+        if adaptive is None:
+            return None
+        if self._k_controller is None or self._k_controller.config is not adaptive:
+            self._k_controller = KController(adaptive)
+        return self._k_controller
 
     def _actor(self, cls, bundle_index: int, resources: ActorResources):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
@@ -280,17 +292,18 @@ class SpecCoordinator:
             new_rows=tuple((row.request.prompt_token_ids, row.request.params) for row in rows[mb.on_actors :]),
         )
         max_drafts = [row.max_drafts() for row in rows]
-        adaptive = self.config.adaptive
-        if adaptive is not None:
-            alphas = [row_alpha(row.stats, adaptive.prior_alpha, adaptive.prior_weight) for row in rows]
-            k_step = choose_k(alphas, max_drafts, adaptive)
+        if self.k_controller is not None:
+            k_step = self.k_controller.choose_k([row.stats for row in rows], max_drafts)
             max_drafts = [min(k_step, cap) for cap in max_drafts]
         mb.offered = max_drafts
         uniforms = torch.stack([row.uniforms() for row in rows]).numpy()  # [B, 2K + 1]
         draft_u = np.ascontiguousarray(uniforms[:, :K])  # [B, K]
         verify_u = np.ascontiguousarray(uniforms[:, K:])  # [B, K + 1]
-        proposal_ref, meta_ref = self.draft.propose.options(num_returns=2).remote(mb.mb_id, update, max_drafts, draft_u)
-        verify_ref = self.target.verify.remote(mb.mb_id, update, proposal_ref, verify_u)
+        # Two actor tasks per step: with task events on, the GCS keeps a few KB of events for each
+        # (up to RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
+        propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
+        proposal_ref, meta_ref = propose.remote(mb.mb_id, update, max_drafts, draft_u)
+        verify_ref = self.target.verify.options(enable_task_events=False).remote(mb.mb_id, update, proposal_ref, verify_u)
         mb.busy, mb.needs_reset, mb.kept, mb.keep, mb.on_actors = True, False, [], None, len(rows)
         measure = self.config.measure_bytes
         draft_nbytes = pickled_nbytes((mb.mb_id, update, max_drafts, draft_u)) if measure else 0
@@ -302,6 +315,8 @@ class SpecCoordinator:
         kept = []
         for (_, row), k, new, n_draft, n_acc, ov in zip(mb.rows, mb.offered, out.tokens, out.drafted, out.accepted, out.overlaps):
             row.stats.observe(n_draft, n_acc, ov, k=k)
+            if self.k_controller is not None:
+                self.k_controller.observe(ov)
             kept.append(row.append(new))
         keep = [k for k, (_, row) in enumerate(mb.rows) if row.finish_reason is None]
         for i, row in mb.rows:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from raysd.distill.data import (encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data, read_prompts,
-                                save_teacher_data, split_holdout)
+from raysd.distill.data import (encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data,
+                                merge_teacher_meta, read_prompts, save_teacher_data, select_training_prompts,
+                                split_holdout)
 from raysd.distill.draft import CONFIG_FILE, build_draft, load_draft, save_draft
 from raysd.distill.train import TrainConfig, evaluate_loss, train_draft, train_with_ray
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
@@ -31,6 +32,7 @@ class DistillConfig:
     max_prompt_tokens: int = 1024  # longer prompts are skipped
     max_prompts: int = 0  # > 0: use at most this many training prompts
     max_prompts_per_task: int = 0  # > 0: and at most this many of each task (the first ones)
+    skip_prompts_per_task: int = 0  # skip each task's first N usable prompts (built earlier with max_prompts_per_task N)
     holdout_per_task: int = 0  # prompts per task kept out of training, for evaluation
     topk: int = 32  # teacher log-probabilities kept per position
     gen_batch_size: int = 8
@@ -56,6 +58,8 @@ class DistillConfig:
             raise ValueError(f"backend must be ray or local, got {self.backend!r}")
         if self.temperature not in (0.0, 1.0):
             raise ValueError(f"temperature must be 0 or 1, got {self.temperature}")
+        if min(self.max_prompts, self.max_prompts_per_task, self.skip_prompts_per_task) < 0:
+            raise ValueError("max_prompts, max_prompts_per_task and skip_prompts_per_task must be >= 0")
         if self.head_vocab < 0:
             raise ValueError("head_vocab must be >= 0 (0: the full vocabulary)")
         if not self.data_only and not self.output:
@@ -94,30 +98,19 @@ def distill(cfg: DistillConfig, target=None, tokenizer=None, log=_log) -> Distil
     prompts = [p for path in cfg.prompts for p in read_prompts(path)]
     train_prompts, heldout = split_holdout(prompts, cfg.holdout_per_task)
     if _cache_ready(cfg):
-        examples, meta = [], {}
+        examples, metas = [], []
         for path in cfg.data_cache.split(","):
             part, part_meta = load_teacher_data(path)
             examples += part
-            for k, v in part_meta.items():
-                meta[k] = meta[k] + v if k in ("num_prompts", "continuation_tokens", "prompt_tokens", "skipped_long") and k in meta else v
-            meta["generation_s"] = max(meta.get("generation_s", 0.0), part_meta.get("generation_s", 0.0))
+            metas.append(part_meta)
+        meta = merge_teacher_meta(metas)
         log(f"teacher data from {cfg.data_cache}: {len(examples)} sequences")
     else:
         if tokenizer is None:
             raise ValueError(f"no tokenizer for {cfg.target}")
-        encoded, tasks, skipped, per_task = [], [], 0, {}
-        for p in train_prompts:
-            if cfg.max_prompts_per_task and per_task.get(p.task, 0) >= cfg.max_prompts_per_task:
-                continue
-            ids = encode_prompt(tokenizer, p.text, cfg.chat_template)
-            if len(ids) > cfg.max_prompt_tokens:
-                skipped += 1
-                continue
-            per_task[p.task] = per_task.get(p.task, 0) + 1
-            encoded.append(ids)
-            tasks.append(p.task)
-        if cfg.max_prompts:
-            encoded, tasks = encoded[: cfg.max_prompts], tasks[: cfg.max_prompts]
+        encoded, tasks, skipped = select_training_prompts(
+            train_prompts, lambda text: encode_prompt(tokenizer, text, cfg.chat_template), cfg.max_prompt_tokens,
+            max_per_task=cfg.max_prompts_per_task, skip_per_task=cfg.skip_prompts_per_task, max_prompts=cfg.max_prompts)
         i, n = cfg.shard
         encoded, tasks = encoded[i::n], tasks[i::n]
         if not encoded:
@@ -131,7 +124,8 @@ def distill(cfg: DistillConfig, target=None, tokenizer=None, log=_log) -> Distil
             batch_size=cfg.gen_batch_size, eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
             seed=cfg.seed, log=log,
         )
-        meta = {"prompt_files": [str(p) for p in cfg.prompts], "num_prompts": len(encoded), "skipped_long": skipped,
+        meta = {"prompt_files": [str(p) for p in cfg.prompts], "num_prompts": len(encoded),
+                "skipped_long": skipped if i == 0 else 0,  # one count per prompt set (shard 0 holds it), so shards sum
                 "prompts_per_task": {t: tasks.count(t) for t in sorted(set(tasks))},
                 "heldout_per_task": cfg.holdout_per_task, "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                 "topk": cfg.topk, "continuation_tokens": sum(ex.topk_ids.shape[0] for ex in examples),

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     g.add_argument("--max-prompts", type=int, default=0, help="use at most this many training prompts (0: all)")
     g.add_argument("--max-prompts-per-task", type=int, default=0, help="use at most this many training prompts per task (0: all)")
+    g.add_argument("--skip-prompts-per-task", type=int, default=0,
+                   help="skip each task's first N usable training prompts (more data after a run with --max-prompts-per-task N)")
     g.add_argument("--holdout-per-task", type=int, default=0, help="prompts per task kept out of training for --evaluate")
     g.add_argument("--topk", type=int, default=32, help="teacher log-probabilities kept per position")
     g.add_argument("--gen-batch-size", type=int, default=8)
@@ -50,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-gpu", action="store_true", help="one GPU per Ray Train worker")
     g.add_argument("--cpus-per-worker", type=float, default=1)
     g.add_argument("--threads", type=int, default=0, help="torch threads (driver and workers; 0: default)")
-    g.add_argument("--ray-address", help="Ray cluster address; 'local' starts a private one "
-                   "(default: ray.init(), which joins a running local cluster or starts one)")
+    g.add_argument("--ray-address", help="Ray cluster address (default: the submitted job's cluster "
+                   "via RAY_ADDRESS, else a private local Ray on loopback; 'local' forces the latter)")
     g.add_argument("--device", default="cpu", help="device for the target in the driver")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation")
@@ -70,7 +72,7 @@ def config_from_args(args):
         target=args.target, prompts=list(args.prompts), output=args.output, num_layers=args.layers,
         init_layers=args.init_layers, head_vocab=args.head_vocab, loss=args.loss, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_prompts=args.max_prompts,
-        max_prompts_per_task=args.max_prompts_per_task,
+        max_prompts_per_task=args.max_prompts_per_task, skip_prompts_per_task=args.skip_prompts_per_task,
         holdout_per_task=args.holdout_per_task, topk=args.topk, gen_batch_size=args.gen_batch_size,
         train=TrainConfig(loss=args.loss, steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                           max_context=args.max_context, warmup_steps=args.warmup_steps, seed=args.seed, threads=args.threads),
@@ -102,8 +104,11 @@ def run(args) -> int:
     if cfg.backend == "ray" and not cfg.data_only:
         import ray
 
+        from raysd.actors.local import start_local_ray
+
+        address = args.ray_address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
-            ray.init(address=args.ray_address) if args.ray_address else ray.init()
+            ray.init(address=address) if address not in (None, "local") else start_local_ray()
     from raysd.distill.api import distill
 
     result = distill(cfg)

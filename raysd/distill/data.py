@@ -77,6 +77,38 @@ def split_holdout(prompts: Sequence[Prompt], per_task: int) -> tuple[list[Prompt
     return [p for p in prompts if id(p) not in held], [p for p in prompts if id(p) in held]
 
 
+def select_training_prompts(
+    prompts: Sequence[Prompt],
+    encode: Callable[[str], list[int]],
+    max_prompt_tokens: int,
+    *,
+    max_per_task: int = 0,
+    skip_per_task: int = 0,
+    max_prompts: int = 0,
+) -> tuple[list[list[int]], list[str], int]:
+    """(token ids, tasks, number skipped as too long) of the training prompts, in file order.
+
+    Per task, the first `skip_per_task` usable prompts (at most `max_prompt_tokens` tokens) are
+    left out and at most `max_per_task` are kept after them (0: all), so runs with
+    `max_per_task=N` and then `skip_per_task=N` use disjoint prompts."""
+    encoded, tasks, skipped, usable = [], [], 0, {}
+    limit = skip_per_task + max_per_task if max_per_task else 0
+    for p in prompts:
+        if limit and usable.get(p.task, 0) >= limit:
+            continue  # this task is full: no need to tokenize
+        ids = encode(p.text)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        usable[p.task] = usable.get(p.task, 0) + 1
+        if usable[p.task] > skip_per_task:
+            encoded.append(ids)
+            tasks.append(p.task)
+    if max_prompts:
+        encoded, tasks = encoded[:max_prompts], tasks[:max_prompts]
+    return encoded, tasks, skipped
+
+
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
     """Token ids of a prompt: the tokenizer's chat template with a generation prompt when it has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
@@ -199,3 +231,27 @@ def save_teacher_data(examples: Sequence[TeacherExample], path: str | Path, meta
 def load_teacher_data(path: str | Path) -> tuple[list[TeacherExample], dict]:
     blob = torch.load(str(path), weights_only=True)
     return [TeacherExample.from_dict(d) for d in blob["examples"]], blob.get("meta", {})
+
+
+_SUMMED = ("num_prompts", "continuation_tokens", "prompt_tokens", "skipped_long")
+
+
+def merge_teacher_meta(metas: Sequence[dict]) -> dict:
+    """One description of teacher data built in parts (shards, or several prompt files): counts
+    summed, prompt files and per-task counts combined, other settings kept once, or listed where
+    the parts disagree."""
+    merged: dict = {"parts": len(metas)}
+    merged.update({k: sum(m.get(k, 0) for m in metas) for k in _SUMMED if any(k in m for m in metas)})
+    per_task: dict = {}
+    for m in metas:
+        for task, n in m.get("prompts_per_task", {}).items():
+            per_task[task] = per_task.get(task, 0) + n
+    if per_task:
+        merged["prompts_per_task"] = dict(sorted(per_task.items()))
+    merged["prompt_files"] = sorted({f for m in metas for f in m.get("prompt_files", [])})
+    if any("generation_s" in m for m in metas):
+        merged["generation_s"] = max(m.get("generation_s", 0.0) for m in metas)  # shards run side by side
+    for k in sorted({k for m in metas for k in m} - set(merged)):
+        values = [m[k] for m in metas if k in m]
+        merged[k] = values[0] if all(v == values[0] for v in values) else values
+    return merged

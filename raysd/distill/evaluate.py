@@ -72,8 +72,10 @@ def evaluate_draft(
     batch_sizes: Sequence[int] = (1, 8),
     max_new_tokens: int = 64,
     log=None,
+    reference_out: dict | None = None,
 ) -> dict:
-    """Greedy generation of every prompt with NoDrafter and with the draft, at each batch size."""
+    """Greedy generation of every prompt with NoDrafter and with the draft, at each batch size.
+    `reference_out`, if given, receives {batch size: the target-alone token ids} to check other runs against."""
     V = target.get_output_embeddings().weight.shape[0]
     ctx = list(prompts[0])
     report: dict = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
@@ -94,6 +96,8 @@ def evaluate_draft(
         if mismatch:
             raise AssertionError(f"batch {bs}: outputs differ from the target's for prompts {mismatch}")
         tokens = sum(len(r.token_ids) for r in base)
+        if reference_out is not None:
+            reference_out[bs] = [r.token_ids for r in base]
         per_task: dict[str, dict] = {}
         for task, r in zip(tasks, spec):
             s = per_task.setdefault(task, {"overlap": 0.0, "tested": 0, "drafted": 0, "accepted": 0, "steps": 0})

@@ -278,10 +278,11 @@ def train_with_ray(
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raysd.actors.local import start_local_ray
     from raysd.distill.draft import load_own_weights, read_draft_config
 
     if not ray.is_initialized():
-        ray.init()
+        start_local_ray()
     draft_ref = ray.put(draft.cpu())
     examples_ref = ray.put([ex.to_dict() for ex in examples])
     storage = storage_path or tempfile.mkdtemp(prefix="raysd-distill-")

@@ -13,7 +13,9 @@ one K: the target verifies a padded [B, K + 1] block and the draft runs K passes
 the batch, so a step costs the same whatever K the other rows would want; what is
 per request is each row's acceptance estimate, which weighs its vote. A row's alpha
 is its running alpha_estimate shrunk towards a prior by pseudo-counts, so a new row
-starts at the prior and its own history takes over as it accumulates.
+starts at the prior and its own history takes over as it accumulates. The prior is itself
+learned (KController): the acceptance pooled over every row served so far, starting
+from AdaptiveConfig.prior_alpha.
 """
 
 from __future__ import annotations
@@ -80,6 +82,34 @@ class AdaptiveConfig:
 
 def row_alpha(stats: SpecDecodeStats, prior_alpha: float, prior_weight: float) -> float:
     return (stats.overlap_sum + prior_alpha * prior_weight) / (stats.num_tested_positions + prior_weight)
+
+
+class KController:
+    """Chooses each step's K from the rows' acceptance estimates, and pools acceptance evidence
+    over every row it has served (empirical Bayes). A row with no history of its own starts from
+    the pool's estimate, not from the fixed prior: a weak drafter is switched off once, rather
+    than rediscovered by every new request at the cost of a few slow steps each. A row's own
+    evidence then moves it away from the pool. A row never offered K > 0 gathers no evidence,
+    so once the pool is pessimistic, rows that would do better than it are not found."""
+
+    def __init__(self, config: AdaptiveConfig):
+        self.config = config
+        self.overlap_sum = 0.0
+        self.num_tested_positions = 0
+
+    @property
+    def prior(self) -> float:
+        c = self.config
+        return (self.overlap_sum + c.prior_alpha * c.prior_weight) / (self.num_tested_positions + c.prior_weight)
+
+    def choose_k(self, stats: Sequence[SpecDecodeStats], budgets: Sequence[int]) -> int:
+        prior = self.prior
+        return choose_k([row_alpha(s, prior, self.config.prior_weight) for s in stats], budgets, self.config)
+
+    def observe(self, overlaps: Sequence[float]) -> None:
+        """One row's tested positions in one step."""
+        self.overlap_sum += float(sum(overlaps))
+        self.num_tested_positions += len(overlaps)
 
 
 def step_seconds(costs: StepCosts, batch_size: int, k: int, overlapped: bool) -> float:

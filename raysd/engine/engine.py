@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
-from raysd.engine.adaptive import AdaptiveConfig, choose_k, row_alpha
+from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter
 from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
 from raysd.engine.verifier import TargetVerifier
@@ -58,6 +58,7 @@ class EngineTimings:
     draft_s: float = 0.0
     target_s: float = 0.0
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # admitting rows: both sides' prompt forwards (included in wall_s)
     steps: int = 0
     generated_tokens: int = 0
 
@@ -73,6 +74,7 @@ class SpecEngine:
             limits.append(max_model_len(drafter.seqs.runner.model))
         self.max_model_len = min(limits)
         self.timings = EngineTimings()
+        self.k_controller = KController(config.adaptive) if config.adaptive is not None else None
         if config.synthetic_acceptance_rate is not None:
             warnings.warn(
                 f"SYNTHETIC ACCEPTANCE MODE (rate {config.synthetic_acceptance_rate}): drafts are accepted at random, "
@@ -102,8 +104,10 @@ class SpecEngine:
                 active.append((i, row))
                 admitted.append(req.prompt_token_ids)
             if admitted:
+                t0 = time.perf_counter()
                 self.verifier.add_rows(admitted)
                 self.drafter.add_rows(admitted)
+                self.timings.prefill_s += time.perf_counter() - t0
             self.step([row for _, row in active])
             keep = [k for k, (_, row) in enumerate(active) if row.finish_reason is None]
             for i, row in active:
@@ -127,10 +131,8 @@ class SpecEngine:
         device = self.verifier.seqs.device
         # 1. Per-row budgets and random draws (from each row's own generator).
         max_drafts = [row.max_drafts() for row in rows]
-        if self.config.adaptive is not None:
-            adaptive = self.config.adaptive
-            alphas = [row_alpha(row.stats, adaptive.prior_alpha, adaptive.prior_weight) for row in rows]
-            k_step = choose_k(alphas, max_drafts, adaptive)
+        if self.k_controller is not None:
+            k_step = self.k_controller.choose_k([row.stats for row in rows], max_drafts)
             max_drafts = [min(k_step, cap) for cap in max_drafts]
         uniforms = torch.stack([row.uniforms() for row in rows]).to(device)  # [B, 2K + 1]
         rate = self.config.synthetic_acceptance_rate
@@ -153,6 +155,8 @@ class SpecEngine:
         kept = []
         for row, new, k, n_draft, n_acc, ov in zip(rows, tokens, max_drafts, drafted, accepted, overlaps):
             row.stats.observe(n_draft, n_acc, ov, k=k)
+            if self.k_controller is not None:
+                self.k_controller.observe(ov)
             kept.append(row.append(new))
         self.verifier.commit(kept)
         self.drafter.commit(kept)

@@ -289,6 +289,9 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
         num_cpus=0,
+        # Never restarted: a new actor would start from position 0 with no ids seen, and give rows
+        # wrong ids or miss duplicates. Its death fails the job instead; a re-run resumes exactly once.
+        max_restarts=0,
     )
     # Blocks of --batch-size rows (streaming, no shuffle): one generation task each, spread over the
     # replicas, whatever the input's files and block sizes are.

@@ -97,6 +97,8 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     """Connect to --address, to the cluster of a submitted job, or start a local Ray. True if we started it."""
     import ray
 
+    from raysd.actors.local import LocalRayNotLoopback, start_local_ray
+
     if ray.is_initialized():
         return False
     quiet = {"log_to_driver": False, "configure_logging": False}
@@ -108,10 +110,12 @@ def _init_ray(cfg: GenerateConfig) -> bool:
         return True
     # Model actors ask for whole CPUs; a small machine still runs every replica (logical resources).
     need = int(math.ceil(2 * cfg.replicas * cfg.num_cpus_per_actor))
-    # address="local": always a new local Ray, never a stale `ray start` one recorded in /tmp/ray.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-             _node_ip_address="127.0.0.1", **quiet)
+    try:
+        start_local_ray(num_cpus=max(os.cpu_count() or 1, need), **quiet)
+    except LocalRayNotLoopback as exc:
+        raise JobError(str(exc)) from None
     return True
+
 
 
 @contextlib.contextmanager

@@ -4,9 +4,11 @@ Every row's cached tokens sit right-aligned in the cache, left-padded: column c 
 the cache is column c of every row, so one `attention_mask` [B, L] and explicit
 `position_ids` let an unmodified HF model run rows of different lengths side by
 side. A step appends a chunk of columns; `rollback` drops each row's rejected tail
-and re-packs the rows (a gather over the sequence axis) so that no hole is left
-behind and accepted tokens are never recomputed; `select` drops finished rows and
-`add_rows` makes room for new ones.
+by masking it out (a hole: positions count valid tokens only, so the model computes
+exactly what it would without it), and accepted tokens are never recomputed. Rows are
+re-packed (a gather over the sequence axis) only when holes widen the cache by more
+than `repack_fraction`, and whenever `select` drops finished rows; `add_rows` makes
+room for new ones.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from raysd.models.loading import output_vocab_size
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None):
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, repack_fraction: float = 0.25):
+        """repack_fraction: re-pack once holes make the cache wider than the longest row by this
+        fraction (0: after every rollback). A re-pack copies every layer's cache, which on CPU
+        cost more than half a decode step when done at every step; holes cost attention width."""
+        assert repack_fraction >= 0
         self.model = model
+        self.repack_fraction = repack_fraction
         self.device = next(model.parameters()).device
         self.vocab_size = vocab_size or output_vocab_size(model)
         self.num_embeddings = model.get_input_embeddings().num_embeddings
@@ -77,7 +84,11 @@ class ModelRunner:
             return
         assert bool((lengths <= self.lengths).all()), "rollback cannot grow a row"
         keep = self.valid & (self.valid.cumsum(dim=1) <= lengths[:, None])  # [B, L]
-        self._pack(keep)
+        self.valid, self.lengths = keep, keep.sum(dim=1)
+        self._trim()
+        longest = int(self.lengths.max()) if self.num_rows else 0
+        if self.repack_fraction == 0 or self.valid.shape[1] > longest * (1 + self.repack_fraction):
+            self._pack(self.valid)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep the given rows, in the given order."""
@@ -123,6 +134,17 @@ class ModelRunner:
             if type(layer) is not DynamicLayer:
                 raise TypeError(f"raysd needs full-attention KV caches; {type(layer).__name__} is not supported")
         return layers
+
+    def _trim(self) -> None:
+        """Drop the columns no row uses at either end (views: nothing is copied)."""
+        used = self.valid.any(dim=0).nonzero()  # [n, 1] columns some row uses
+        L = self.valid.shape[1]
+        first, end = (int(used[0]), int(used[-1]) + 1) if used.numel() else (L, L)
+        if (first, end) == (0, L):
+            return
+        self.valid = self.valid[:, first:end]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[:, :, first:end], layer.values[:, :, first:end]
 
     def _pack(self, keep: torch.Tensor) -> None:
         """Right-align each row's kept columns and trim columns no row uses."""

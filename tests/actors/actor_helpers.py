@@ -9,6 +9,7 @@ import torch
 
 import tests.conftest as conftest
 from tests.conftest import EOS, VOCAB, tiny_model
+from raysd.actors.local import start_local_ray
 from raysd.core.sampling import SamplingParams
 from raysd.engine.rows import Request
 
@@ -22,7 +23,7 @@ def factory(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
 
 def start_ray() -> None:
     # address="local": never join a cluster some earlier process left recorded in /tmp/ray.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_local_ray(num_cpus=4, log_to_driver=False, configure_logging=False)
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = VOCAB, max_len: int = 10) -> list[list[int]]:

@@ -11,7 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
-from raysd.distill.data import head_vocabulary, load_teacher_data, read_prompts, save_teacher_data, split_holdout
+from raysd.distill.data import (head_vocabulary, load_teacher_data, merge_teacher_meta, read_prompts, save_teacher_data,
+                                select_training_prompts, split_holdout)
 from raysd.distill.draft import (CONFIG_FILE, WEIGHTS_FILE, build_draft, head_token_ids, load_draft, own_state_dict,
                                  read_draft_config, save_draft)
 from raysd.distill.train import TrainConfig, distill_loss, evaluate_loss, train_draft
@@ -208,3 +209,32 @@ def test_evaluate_draft_reports_per_task(target, distilled):
         assert all(0.0 <= a <= 1.0 for a in entry["alpha_by_task"].values())
     assert report["draft_step_s"] > 0 and report["target_step_s"] > 0
     assert "| **mean over tasks** |" in format_report(report)
+
+
+def test_teacher_data_parts_describe_the_whole():
+    """Shards of one prompt file plus a second file: counts add up (skipped prompts once per
+    prompt set), files and per-task counts combine, and disagreeing settings are all kept."""
+    shard = {"prompt_files": ["a.jsonl"], "num_prompts": 3, "skipped_long": 2, "continuation_tokens": 30,
+             "prompts_per_task": {"qa": 2, "rag": 1}, "heldout_per_task": 4, "topk": 32, "generation_s": 5.0}
+    other = {**shard, "prompt_files": ["b.jsonl"], "skipped_long": 0, "prompts_per_task": {"qa": 1}, "heldout_per_task": 0,
+             "generation_s": 7.0}
+    merged = merge_teacher_meta([shard, {**shard, "skipped_long": 0}, other])
+    assert merged["parts"] == 3 and merged["num_prompts"] == 9 and merged["continuation_tokens"] == 90
+    assert merged["skipped_long"] == 2 and merged["prompts_per_task"] == {"qa": 5, "rag": 2}
+    assert merged["prompt_files"] == ["a.jsonl", "b.jsonl"] and merged["generation_s"] == 7.0
+    assert merged["topk"] == 32 and merged["heldout_per_task"] == [4, 4, 0]
+
+
+def test_prompt_selection_max_then_skip_partitions_each_task():
+    from raysd.distill.data import Prompt
+
+    prompts = [Prompt("x" * n, task, str(i)) for i, (n, task) in enumerate(
+        [(3, "a"), (9, "a"), (2, "b"), (4, "a"), (5, "b"), (1, "a"), (6, "b"), (2, "a"), (3, "b")])]
+    encode = lambda text: list(range(len(text)))  # noqa: E731 - one token per character
+    first, tasks1, skipped1 = select_training_prompts(prompts, encode, 8, max_per_task=2)
+    rest, tasks2, skipped2 = select_training_prompts(prompts, encode, 8, skip_per_task=2)
+    everything, tasks_all, skipped_all = select_training_prompts(prompts, encode, 8)
+    assert [len(x) for x in first] == [3, 2, 4, 5] and tasks1 == ["a", "b", "a", "b"]  # file order
+    assert [len(x) for x in rest] == [1, 6, 2, 3] and skipped2 == skipped_all == 1  # the 9-token prompt
+    assert sorted(map(len, first + rest)) == sorted(map(len, everything)) and len(everything) == 8
+    assert [len(x) for x in select_training_prompts(prompts, encode, 8, max_per_task=1, skip_per_task=2)[0]] == [1, 6]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raysd.actors.local import start_local_ray
 from raysd.distill.draft import build_draft, own_state_dict
 from raysd.distill.train import TrainConfig, evaluate_loss, train_with_ray
 from tests.conftest import tiny_model
@@ -17,8 +18,7 @@ pytestmark = pytest.mark.slow
 def local_ray():
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _node_ip_address="127.0.0.1")
+    start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 

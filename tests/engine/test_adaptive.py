@@ -8,7 +8,7 @@ import pytest
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.core.theory import expected_tokens_per_step, expected_walltime_improvement, optimal_k
-from raysd.engine.adaptive import AdaptiveConfig, StepCosts, choose_k, row_alpha, step_seconds
+from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, choose_k, row_alpha, step_seconds
 
 K_MAX = 8
 
@@ -62,6 +62,22 @@ def test_row_alpha_moves_from_prior_to_history():
     for _ in range(100):
         s.observe(4, 4, [0.95] * 4)
     assert row_alpha(s, 0.5, 4.0) == pytest.approx(0.95, abs=0.01)
+
+
+def test_new_rows_start_from_the_pooled_acceptance():
+    """After a weak drafter has shown itself on earlier rows, a new row does not pay to find out
+    again; its own evidence still moves it away from the pool."""
+    ctl = KController(AdaptiveConfig(flat_costs(0.2)))
+    fresh = SpecDecodeStats(K_MAX)
+    assert ctl.prior == 0.5 and ctl.choose_k([fresh], [K_MAX]) > 0  # the fixed prior: worth a try
+    for _ in range(50):  # earlier rows: almost nothing accepted
+        ctl.observe([0.05])
+    assert ctl.prior == pytest.approx((50 * 0.05 + 0.5 * 4) / 54)
+    assert ctl.choose_k([SpecDecodeStats(K_MAX)], [K_MAX]) == 0  # a new row starts off
+    good = SpecDecodeStats(K_MAX)
+    for _ in range(20):
+        good.observe(4, 4, [0.97] * 4)
+    assert ctl.choose_k([good], [K_MAX]) > 0  # its own history wins over the pool
 
 
 def test_step_costs_interpolate_and_validate():

@@ -114,6 +114,8 @@ def test_rows_finish_independently_and_free_their_slots():
         assert r.token_ids == hf_greedy(target, p, n)
         assert r.finish_reason == ("stop" if r.token_ids[-1] == EOS else "length")
     assert engine.verifier.seqs.runner.num_rows == 0  # nothing left behind
+    t = engine.timings  # 8 rows admitted in several rounds: prefill is timed, and part of the wall time
+    assert 0 < t.prefill_s < t.wall_s and t.generated_tokens == sum(len(r.token_ids) for r in results)
 
 
 def test_stop_token_ids_end_a_row():

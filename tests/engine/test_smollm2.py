@@ -65,3 +65,18 @@ def test_ngram_and_random_draft(setup, batch_size):
     assert [r.token_ids for r in generate(model, NgramDrafter(V), prompts[:n], 4, batch_size)] == expected[:n]
     random_draft = tiny_model("llama", seed=1, layers=1, vocab=V + 128)  # padded wider, as 49280 vs 49152
     assert [r.token_ids for r in generate(model, DraftModelDrafter(random_draft, V), prompts[:n], 8, batch_size)] == expected[:n]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_shipped_distilled_draft(setup, batch_size):
+    """The draft shipped in raysd/data (raysd distill, docs/distill.md) loads by name, offline, and
+    changes nothing in greedy output; it drafts only inside its FR-Spec head."""
+    from raysd.models.loading import DEFAULT_DRAFT, ModelSpec, load_model
+
+    model, prompts, expected = setup
+    draft = load_model(ModelSpec(DEFAULT_DRAFT))
+    assert draft.config.num_hidden_layers == 2
+    V = model.get_output_embeddings().weight.shape[0]
+    results = generate(model, DraftModelDrafter(draft, V), prompts, 3, batch_size)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.num_accepted_draft_tokens for r in results) > 0  # it is a real draft, not a random one

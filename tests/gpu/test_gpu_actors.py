@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 import tests.conftest as conftest  # noqa: E402
 import tests.gpu.gpu_helpers as gpu_helpers  # noqa: E402
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator  # noqa: E402
+from raysd.actors.local import start_local_ray  # noqa: E402
 from raysd.core.sampling import SamplingParams  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
@@ -39,8 +40,7 @@ K, MAX_NEW = 4, 16
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(address="local", num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    start_local_ray(num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 

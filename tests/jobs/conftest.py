@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from tests.conftest import VOCAB, tiny_model
+from raysd.actors.local import start_local_ray
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,7 @@ def local_ray():
     # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head, which
     # a plain ray.init(num_cpus=...) would try to join (and fail).
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+        start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -101,10 +101,11 @@ def test_ragged_left_padded_forward_matches_unpadded(model):
     assert_cache_sane(runner, [len(h) for h in hist])
 
 
-def test_rollback_to_arbitrary_lengths_then_feed(model):
+@pytest.mark.parametrize("repack", [0.0, 0.25, 1e9])  # after every rollback, by default, never (holes only)
+def test_rollback_to_arbitrary_lengths_then_feed(model, repack):
     rng = random.Random(1)
     hist = [random_tokens(rng, n) for n in (7, 5, 8, 3)]
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, repack_fraction=repack)
     runner.add_rows(4)
     runner.forward(*right_aligned(hist), torch.ones(4, dtype=torch.int64))
     for it in range(4):
@@ -113,7 +114,9 @@ def test_rollback_to_arbitrary_lengths_then_feed(model):
             keep = [2, len(hist[1]), 0, 1]  # shrink, unchanged, emptied, to one token
         runner.rollback(torch.tensor(keep))
         hist = [h[:k] for h, k in zip(hist, keep)]
-        assert_cache_sane(runner, keep, packed=True)
+        assert_cache_sane(runner, keep, packed=repack == 0)
+        if repack > 0 and runner.num_rows:  # holes, but never wider than the policy allows
+            assert runner.valid.shape[1] <= max(keep) * (1 + repack)
         new = [random_tokens(rng, rng.randint(1, 4)) for _ in hist]
         num = [rng.randint(1, len(n)) for n in new]
         logits = runner.forward(*right_aligned(new), torch.tensor(num))
@@ -125,6 +128,31 @@ def test_rollback_to_arbitrary_lengths_then_feed(model):
     assert_cache_sane(runner, lengths.tolist())
     with pytest.raises(AssertionError):
         runner.rollback(lengths + 1)
+
+
+def test_rollback_masks_rejected_tokens_without_copying_the_cache(model):
+    rng = random.Random(5)
+    runner = ModelRunner(model)  # default policy: holes until the cache is 25% wider than the longest row
+    runner.add_rows(3)
+    hist = [random_tokens(rng, 12) for _ in range(3)]
+    runner.forward(*right_aligned(hist), torch.ones(3, dtype=torch.int64))
+    keys = runner._layers()[0].keys
+    runner.rollback(torch.tensor([12, 10, 11]))  # rows 1 and 2 leave holes at their right end
+    assert runner._layers()[0].keys.data_ptr() == keys.data_ptr() and runner.valid.shape[1] == 12  # nothing moved
+    hist = [h[:k] for h, k in zip(hist, [12, 10, 11])]
+    new = [random_tokens(rng, 3) for _ in hist]
+    logits = runner.forward(*right_aligned(new), torch.full((3,), 3))
+    assert_rows_match(model, logits, [h + n for h, n in zip(hist, new)], [3, 3, 3])
+    runner.rollback(torch.tensor([5, 6, 4]))  # the columns no row uses are cut off (a view)
+    assert runner.valid.shape[1] == 6 and runner._layers()[0].keys.shape[2] == 6
+    hist = [(h + n)[:k] for h, n, k in zip(hist, new, [5, 6, 4])]
+    new = [random_tokens(rng, 2) for _ in hist]
+    logits = runner.forward(*right_aligned(new), torch.full((3,), 2))
+    assert_rows_match(model, logits, [h + n for h, n in zip(hist, new)], [2, 2, 2])
+    assert runner.valid.shape[1] == 8 and runner.valid[0].tolist() == [True] * 5 + [False] + [True] * 2
+    runner.repack_fraction = 0.1
+    runner.rollback(torch.tensor([7, 2, 1]))  # row 0's hole: 8 columns for 7 tokens is > 10% wider: re-packed
+    assert_cache_sane(runner, [7, 2, 1], packed=True)
 
 
 def test_select_drops_and_reorders_rows(model):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from raysd.actors.local import start_local_ray
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Ray class names of the processes a fault kills. The generation stage's Ray Data actor is named
@@ -204,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = a.faults.split(",")
     actor_faults = [f for f in faults if f != "driver"]
     if actor_faults:
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 _node_ip_address="127.0.0.1")
+        start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
     for trial in range(a.trials):
         for fault in faults:
             out = root / f"out-{fault}-{trial}"

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from tests.conftest import EOS, VOCAB, tiny_model
+from raysd.actors.local import start_local_ray
 
 # The tiny tokenizer: 4 specials, then plain words; anything else is <unk>.
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -56,8 +57,7 @@ def local_ray():
     # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head.
     started = False
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 _node_ip_address="127.0.0.1")
+        start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
         started = True
     yield
     if started:

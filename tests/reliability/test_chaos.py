@@ -76,3 +76,22 @@ def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
     print(f"driver kill: {in_parts} rows in parts, {got['generated_at_kill']} generated at the kill, {wasted} regenerated")
     outcome = compare(Outcome("driver", N_ROWS), read_rows(out), "key", expected)
     assert (outcome.rows_out, outcome.lost, outcome.duplicated, outcome.token_mismatches) == (N_ROWS, 0, 0, 0), outcome
+
+
+def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
+    """A restarted id actor would count positions from 0 again and forget the ids it has seen
+    (wrong ids, missed duplicates). So its death fails the job, and a re-run resumes exactly once
+    (test_kill_driver_mid_job_then_rerun), instead of Ray Data's default restart and retry."""
+    from raysd.jobs.pipeline import build_dataset
+    from raysd.jobs.runner import check_job
+
+    inp, _ = job_input
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), draft="ngram")  # ids from positions
+    source, _, schema = check_job(cfg)
+    op, ops = build_dataset(source, cfg, schema, set())._logical_plan.dag, {}
+    while op is not None:
+        ops[op.name] = op
+        op = op.input_dependencies[0] if op.input_dependencies else None
+    ids_args = ops["MapBatches(AssignIds)"].ray_remote_args
+    assert ids_args.get("max_restarts") == 0 and not ids_args.get("max_task_retries")
+    assert "max_restarts" not in ops["MapBatches(GenerateReplica)"].ray_remote_args  # replicas keep restarting

@@ -105,7 +105,43 @@ def test_remote_code_is_never_run_unless_asked(tmp_path, monkeypatch):
     assert seen["trust_remote_code"] is False and seen["use_safetensors"] is True
 
 
-def test_local_ray_binds_localhost_without_dashboard(monkeypatch):
+# Run in a fresh process: it starts Ray the way `raysd generate` does, spawns a worker, then lists
+# every TCP socket listening in the process tree Ray started (GCS, raylet, agents, workers).
+_LISTENERS = r"""
+import json, os, psutil, ray
+from raysd.jobs import GenerateConfig
+from raysd.jobs.runner import _init_ray
+
+os.environ.pop("RAY_ADDRESS", None)
+assert _init_ray(GenerateConfig(input="x", output="y"))
+ray.get(ray.remote(lambda: 1).remote())
+me = psutil.Process()
+procs = {p.pid: p.name() for p in [me] + me.children(recursive=True)}
+listening = [(procs[c.pid], c.laddr.ip) for c in psutil.net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN and c.pid in procs]
+print(json.dumps({"listening": listening, "node_ip": ray.util.get_node_ip_address(),
+                  "env_after": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}))
+ray.shutdown()
+"""
+
+
+def test_local_ray_listens_on_loopback_only():
+    import ipaddress
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    names = {name for name, _ in got["listening"]}
+    assert {"gcs_server", "raylet"} <= names, got  # the check is not vacuous
+    exposed = [(name, ip) for name, ip in got["listening"]
+               if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+    assert got["node_ip"] == "127.0.0.1"
+    assert got["env_after"] is None  # the driver's environment is restored for later ray.init calls
+
+
+def test_local_ray_has_no_dashboard(monkeypatch):
     import ray
 
     from raysd.jobs import runner
@@ -114,12 +150,25 @@ def test_local_ray_binds_localhost_without_dashboard(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     assert runner._init_ray(GenerateConfig(input="x", output="y")) is True
     (kw,) = calls
     assert kw["address"] == "local"  # never a stale cluster recorded in /tmp/ray
     assert kw["include_dashboard"] is False
-    assert kw["_node_ip_address"] == "127.0.0.1"
-    assert "dashboard_host" not in kw or kw["dashboard_host"] in ("127.0.0.1", "localhost")
+
+
+def test_local_ray_refuses_a_routable_address(monkeypatch):
+    import ray
+
+    from raysd.jobs import runner
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.7")
+    with pytest.raises(JobError, match="192.0.2.7, not loopback"):
+        runner._init_ray(GenerateConfig(input="x", output="y"))
 
 
 def test_part_names_never_come_from_data(tmp_path):

@@ -1,0 +1,45 @@
+"""Start a private Ray on this machine that only this machine can reach (issue 6: safe defaults)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+
+class LocalRayNotLoopback(RuntimeError):
+    """The Ray we started took a routable node address, so its servers would face the network."""
+
+
+# Ray's single-machine mode (its default on macOS and Windows): every Ray process takes the
+# loopback address as the node's IP, and the GCS, raylet, workers and agents listen on it alone.
+# `_node_ip_address="127.0.0.1"` is not enough on Linux: ray.init rewrites a loopback address to
+# the host's routable one, and the servers then listen on all interfaces.
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def start_local_ray(**init_kwargs) -> None:
+    """Start a new private Ray on this machine, reachable from this machine only, dashboard off.
+
+    Raises LocalRayNotLoopback if Ray still picked a non-loopback node address (a Ray upgrade that
+    changed the mode above): the caller asked for a local Ray, not one open to the network.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_ONLY_ENV] = "0"  # read at import by every process Ray starts
+    ray_constants.ENABLE_RAY_CLUSTER = False  # ...and by this driver, which imported ray already
+    try:
+        # address="local": always a new Ray, never a stale `ray start` one recorded in /tmp/ray.
+        ray.init(address="local", include_dashboard=False, **init_kwargs)
+    finally:  # the started processes keep the mode; later ray.init calls in this process do not
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(LOOPBACK_ONLY_ENV, None)
+        else:
+            os.environ[LOOPBACK_ONLY_ENV] = saved_env
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        ray.shutdown()
+        raise LocalRayNotLoopback(f"the local Ray took node address {node_ip}, not loopback; to run Ray "
+                                  f"on a network, start it yourself (ray start --head) and connect to it")
