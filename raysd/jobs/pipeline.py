@@ -291,6 +291,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
         num_cpus=0,
         # Never restarted: a new actor would start from position 0 with no ids seen, and give rows
         # wrong ids or miss duplicates. Its death fails the job instead; a re-run resumes exactly once.
+        # (Ray 2.60 takes this only as a ray_remote_args entry, which warns of removal in 2.64.)
         max_restarts=0,
     )
     # Blocks of --batch-size rows (streaming, no shuffle): one generation task each, spread over the
