@@ -16,9 +16,17 @@ class LocalRayNotLoopback(RuntimeError):
 # the host's routable one, and the servers then listen on all interfaces.
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
+# The GCS keeps the events of the last N tasks, for `ray.timeline()` and the state API (whose
+# dashboard is off here). With Ray's default of 100,000, bench/soak.py's GCS grew by about 0.9 KB
+# per generated row, without end in sight; with 1,000 kept, by 0.1 KB per row in the second half
+# of 30,000 rows (docs/reliability.md). raysd's per-step actor calls record no events, so the
+# last 1,000 tasks are all Ray Data's and span thousands of rows, enough to debug with.
+TASK_EVENTS_KEPT_IN_GCS = 1_000
+
 
 def start_local_ray(**init_kwargs) -> None:
-    """Start a new private Ray on this machine, reachable from this machine only, dashboard off.
+    """Start a new private Ray on this machine, reachable from this machine only, dashboard off,
+    its GCS bounded in the task events it keeps (a `_system_config` passed in wins).
 
     Raises LocalRayNotLoopback if Ray still picked a non-loopback node address (a Ray upgrade that
     changed the mode above): the caller asked for a local Ray, not one open to the network.
@@ -26,12 +34,15 @@ def start_local_ray(**init_kwargs) -> None:
     import ray
     from ray._private import ray_constants
 
+    system_config = {"task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT_IN_GCS,
+                     **init_kwargs.pop("_system_config", {})}
+
     saved_env, saved_flag = os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[LOOPBACK_ONLY_ENV] = "0"  # read at import by every process Ray starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # ...and by this driver, which imported ray already
     try:
         # address="local": always a new Ray, never a stale `ray start` one recorded in /tmp/ray.
-        ray.init(address="local", include_dashboard=False, **init_kwargs)
+        ray.init(address="local", include_dashboard=False, _system_config=system_config, **init_kwargs)
     finally:  # the started processes keep the mode; later ray.init calls in this process do not
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:

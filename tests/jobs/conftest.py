@@ -3,6 +3,12 @@ download), token-id prompts, and one local Ray shared by the in-process jobs."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+from typing import Callable
+
 import pytest
 import ray
 
@@ -34,3 +40,27 @@ def token_prompts(n: int, seed: int = 0, max_len: int = 8) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, max_len))] for _ in range(n)]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a driver started with start_new_session=True: its process group is the driver and
+    the Ray it started. Then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def settled(read: Callable[[], object], quiet_s: float, max_wait_s: float = 90.0) -> object:
+    """`read()` once it has stopped changing for `quiet_s`. After a driver is killed, a Ray worker
+    that was inside a write task can still rename its part into place for a moment (it outlives
+    the driver until it notices the raylet is gone): count parts only once they are settled."""
+    value, since = read(), time.monotonic()
+    deadline = since + max_wait_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raysd.core.sampling import SamplingParams
-from tests.jobs.conftest import token_prompts
+from tests.jobs.conftest import kill_group, settled, token_prompts
 from tests.jobs.test_generate import reference
 
 pytestmark = pytest.mark.slow
@@ -51,20 +50,8 @@ def test_driver_killed_mid_job_then_rerun(tmp_path, model_dirs):
         time.sleep(1.0)
         assert proc.poll() is None, "the job finished before it could be killed: raise N_ROWS"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=60)
-
-    # A Ray write task that was already running can still commit its part (atomically) just
-    # after the driver dies; count the parts once they have stopped changing.
-    killed_parts, stable_since, deadline = _parts(out), time.monotonic(), time.monotonic() + 90
-    while time.monotonic() - stable_since < 5 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = _parts(out)
-        if now != killed_parts:
-            killed_parts, stable_since = now, time.monotonic()
+        kill_group(proc)
+    killed_parts = settled(lambda: _parts(out), quiet_s=5)
     # Every part that counts is complete (readable); anything half-written is under _tmp/.
     done_before = 0
     for part in killed_parts:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from raysd.actors.local import start_local_ray
+from tests.jobs.conftest import kill_group, settled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,20 +153,8 @@ def kill_driver_mid_job(args: list[str], out: Path, min_rows_written: int = 1, t
         if not killed.wait(timeout):
             raise AssertionError("no progress line with rows written in time: " + "".join(tail[-20:]))
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=60)
-    # The driver is gone, but a Ray worker that was inside a write task can still rename its part
-    # into place for a moment (it outlives the driver until it notices the raylet is gone). Wait
-    # until the parts stop changing before counting them.
-    in_parts, stable_since = part_rows(out), time.monotonic()
-    while time.monotonic() - stable_since < 3:
-        time.sleep(0.2)
-        now = part_rows(out)
-        if now != in_parts:
-            in_parts, stable_since = now, time.monotonic()
+        kill_group(proc)
+    in_parts = settled(lambda: part_rows(out), quiet_s=3)
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])

@@ -120,13 +120,16 @@ procs = {p.pid: p.name() for p in [me] + me.children(recursive=True)}
 listening = [(procs[c.pid], c.laddr.ip) for c in psutil.net_connections("tcp")
              if c.status == psutil.CONN_LISTEN and c.pid in procs]
 print(json.dumps({"listening": listening, "node_ip": ray.util.get_node_ip_address(),
-                  "env_after": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}))
+                  "env_after": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+                  "task_events_kept": ray._raylet.Config.task_events_max_num_task_in_gcs()}))
 ray.shutdown()
 """
 
 
 def test_local_ray_listens_on_loopback_only():
     import ipaddress
+
+    from raysd.actors.local import TASK_EVENTS_KEPT_IN_GCS
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, env=env, timeout=300)
@@ -139,6 +142,7 @@ def test_local_ray_listens_on_loopback_only():
     assert exposed == [], f"listening beyond loopback: {exposed}"
     assert got["node_ip"] == "127.0.0.1"
     assert got["env_after"] is None  # the driver's environment is restored for later ray.init calls
+    assert got["task_events_kept"] == TASK_EVENTS_KEPT_IN_GCS  # as the cluster reports it: the GCS is bounded
 
 
 def test_local_ray_has_no_dashboard(monkeypatch):
