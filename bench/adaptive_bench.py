@@ -101,6 +101,10 @@ def main() -> None:
             "auto_tok_s": auto["tokens_per_s"], "auto_mean_k": auto["mean_k"],
             "auto_vs_plain": auto["tokens_per_s"] / plain["tokens_per_s"],
             "e2e_auto_vs_plain": auto["e2e_tokens_per_s"] / plain["e2e_tokens_per_s"],
+            # Each repeat's plain and auto ran back to back: their ratios show the run-to-run noise.
+            "plain_runs_tok_s": [r["tokens_per_s"] for r in timings["plain"]],
+            "auto_runs_tok_s": [r["tokens_per_s"] for r in timings["auto"]],
+            "auto_vs_plain_per_repeat": [a["tokens_per_s"] / p["tokens_per_s"] for p, a in zip(timings["plain"], timings["auto"])],
         }
         if fixed:
             best_k = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
