@@ -117,7 +117,6 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     return True
 
 
-
 @contextlib.contextmanager
 def _data_context(quiet: bool):
     """The job's Ray Data settings, restored afterwards (tests run several jobs in one process)."""
