@@ -21,7 +21,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: exact argmax, no randomness consumed
     top_k: int = 0  # 0 disables; otherwise keep the k largest logits (ties kept)
     top_p: float = 1.0  # 1.0 disables; otherwise nucleus sampling as in HF TopPLogitsWarper
-    seed: int = 0  # a request's own generator is seeded with this
+    seed: int = 0  # in [0, 2^63): keys the request's counter-based draws (raysd.core.draws)
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False
@@ -33,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -44,11 +46,26 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling parameters of a batch, as tensors on the logits' device."""
+    """Per-row sampling parameters of a batch, as tensors on the logits' device.
+
+    The three flags say which transforms the batch needs. They are plain bools known on
+    the host (from the params, or read once here), so `logits_to_probs` never reads a
+    device value back per call."""
 
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
     top_k: torch.Tensor  # [B] int64, 0 disables
     top_p: torch.Tensor  # [B] float32, 1 disables
+    any_greedy: bool | None = None
+    any_top_k: bool | None = None  # some row keeps fewer than all tokens by top-k (for V > top_k)
+    any_top_p: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.any_greedy is None:
+            object.__setattr__(self, "any_greedy", bool((self.temperature == 0).any()))
+        if self.any_top_k is None:
+            object.__setattr__(self, "any_top_k", bool((self.top_k > 0).any()))
+        if self.any_top_p is None:
+            object.__setattr__(self, "any_top_p", bool((self.top_p < 1.0).any()))
 
     @staticmethod
     def from_params(params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
@@ -56,10 +73,14 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            any_greedy=any(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
         )
 
     def to(self, device: torch.device | str) -> "SamplingTensors":
-        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                               self.any_greedy, self.any_top_k, self.any_top_p)
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -83,13 +104,11 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
     greedy = sampling.temperature == 0  # [B]
     temperature = torch.where(greedy, 1.0, sampling.temperature)[:, None, None]  # [B, 1, 1]
     scaled = logits / temperature  # [B, T, V]
-    needs_top_k = bool(((sampling.top_k > 0) & (sampling.top_k < V)).any())
-    needs_top_p = bool((sampling.top_p < 1.0).any())
-    if needs_top_k or needs_top_p:
+    if sampling.any_top_k or sampling.any_top_p:  # host flags: no read-back
         scaled = _apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
 
-    if bool(greedy.any()):
+    if sampling.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs[:, 0] if squeeze else probs

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.sequences import SequenceState
 from raysd.models.loading import output_vocab_size
-from raysd.models.runner import ModelRunner
+from raysd.models.runners import make_runner
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Proposal:
     draft_token_ids: torch.Tensor  # [B, K] int64; entries past num_draft_tokens are ignored
     num_draft_tokens: torch.Tensor  # [B] int64
     draft_probs: torch.Tensor  # [B, K, V] the distribution each draft was drawn from
+    num_draft_host: tuple[int, ...] | None = None  # num_draft_tokens on the host, when the drafter knows it
 
     @staticmethod
     def empty(batch_size: int, vocab_size: int, device) -> "Proposal":
@@ -34,6 +35,7 @@ class Proposal:
             torch.zeros(batch_size, 0, dtype=torch.int64, device=device),
             torch.zeros(batch_size, dtype=torch.int64, device=device),
             torch.zeros(batch_size, 0, vocab_size, device=device),
+            (0,) * batch_size,
         )
 
 
@@ -51,7 +53,8 @@ class Drafter(ABC):
         """Propose up to max_drafts[b] tokens for each row; `uniforms` is [B, K] with K >= max(max_drafts)."""
 
     @abstractmethod
-    def commit(self, new_tokens: Sequence[Sequence[int]]) -> None: ...
+    def commit(self, new_tokens: Sequence[Sequence[int]], num_accepted: Sequence[int] | None = None) -> None:
+        """The tokens each row emitted this step (and, if known, how many drafts it accepted)."""
 
 
 class NoDrafter(Drafter):
@@ -71,7 +74,7 @@ class NoDrafter(Drafter):
     def propose(self, max_drafts, sampling, uniforms):
         return Proposal.empty(len(max_drafts), self.vocab_size, self.device)
 
-    def commit(self, new_tokens):
+    def commit(self, new_tokens, num_accepted=None):
         pass
 
 
@@ -84,7 +87,8 @@ class DraftModelDrafter(Drafter):
     nonzeros and crosses between actors sparse. Greedy drafts are unchanged.
     """
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0):
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0,
+                 runner: str = "auto"):
         if draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
@@ -93,7 +97,7 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        self.seqs = SequenceState(ModelRunner(model, vocab_size=min(own_vocab, target_vocab_size)))
+        self.seqs = SequenceState(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size)))
 
     def add_rows(self, prompts):
         self.seqs.add_rows(prompts)
@@ -101,8 +105,8 @@ class DraftModelDrafter(Drafter):
     def select(self, rows):
         self.seqs.select(rows)
 
-    def commit(self, new_tokens):
-        self.seqs.commit(new_tokens)
+    def commit(self, new_tokens, num_accepted=None):
+        self.seqs.commit(new_tokens, num_accepted)
 
     def propose(self, max_drafts, sampling, uniforms):
         B, device = len(max_drafts), self.seqs.device
@@ -110,7 +114,8 @@ class DraftModelDrafter(Drafter):
         if K == 0:
             return Proposal.empty(B, self.target_vocab_size, device)
         ones = torch.ones(B, dtype=torch.int64, device=device)
-        logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones)[:, 0]  # [B, V']
+        host_ones = (1,) * B
+        logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
         tokens, probs = [], []
         for i in range(K):
             p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
@@ -118,9 +123,9 @@ class DraftModelDrafter(Drafter):
             tokens.append(t)
             probs.append(p)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
-                logits = self.seqs.feed(t[:, None], ones, ones)[:, 0]
+                logits = self.seqs.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=device)
-        return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1))
+        return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V'] draft logits -> [B, V] over the target's vocabulary, top-m applied."""
@@ -153,7 +158,7 @@ class NgramDrafter(Drafter):
     def select(self, rows):
         self.history = [self.history[i] for i in rows]
 
-    def commit(self, new_tokens):
+    def commit(self, new_tokens, num_accepted=None):
         for row, new in zip(self.history, new_tokens):
             row.extend(new)
 
@@ -162,14 +167,14 @@ class NgramDrafter(Drafter):
         if K == 0:
             return Proposal.empty(B, self.vocab_size, self.device)
         ids = torch.zeros(B, K, dtype=torch.int64)
-        num = torch.zeros(B, dtype=torch.int64)
+        counts = []
         for b, (row, k) in enumerate(zip(self.history, max_drafts)):
             draft = self.lookup(row, k)
             ids[b, : len(draft)] = torch.tensor(draft, dtype=torch.int64)
-            num[b] = len(draft)
-        ids, num = ids.to(self.device), num.to(self.device)
+            counts.append(len(draft))
+        ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
         probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
-        return Proposal(ids, num, probs)
+        return Proposal(ids, num, probs, tuple(counts))
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < 2:

@@ -16,9 +16,10 @@ from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter
-from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
+from raysd.engine.rows import GenerationResult, Request, RowState, fill_holes, request_error, step_uniforms, stop_ids_for
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
+from raysd.models.runners import check_runner_kind
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,12 @@ class EngineConfig:
     # Choose K in 0..num_speculative_tokens each step for the best expected goodput
     # (raysd.engine.adaptive); None: always num_speculative_tokens.
     adaptive: AdaptiveConfig | None = None
+    # The target's KV cache: "auto" = static slots for Llama-family models, the Hugging Face
+    # dynamic cache otherwise (raysd.models.runners). A draft model's runner is its drafter's.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
+        check_runner_kind(self.runner)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.max_batch_size < 1:
@@ -65,7 +70,7 @@ class EngineTimings:
 
 class SpecEngine:
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
-        self.verifier = TargetVerifier(target)
+        self.verifier = TargetVerifier(target, config.runner)
         self.drafter = drafter
         self.config = config
         self.vocab_size = self.verifier.vocab_size
@@ -95,6 +100,7 @@ class SpecEngine:
             else:
                 waiting.append((i, req))
         active: list[tuple[int, RowState]] = []
+        sampling: SamplingTensors | None = None
         start = time.perf_counter()
         while waiting or active:
             admitted = []
@@ -108,16 +114,19 @@ class SpecEngine:
                 self.verifier.add_rows(admitted)
                 self.drafter.add_rows(admitted)
                 self.timings.prefill_s += time.perf_counter() - t0
-            self.step([row for _, row in active])
-            keep = [k for k, (_, row) in enumerate(active) if row.finish_reason is None]
+            if admitted or sampling is None:  # the batch changed: its parameters go to the device once
+                sampling = SamplingTensors.from_params([row.request.params for _, row in active], self.verifier.seqs.device)
+            self.step([row for _, row in active], sampling)
             for i, row in active:
                 if row.finish_reason is not None:
                     results[i] = self._flag(row.result())
                     self.timings.generated_tokens += len(row.output)
+            keep = fill_holes([row.finish_reason is None for _, row in active])
             if len(keep) < len(active):
                 active = [active[k] for k in keep]
                 self.verifier.select(keep)
                 self.drafter.select(keep)
+                sampling = None
         self.timings.wall_s += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]
 
@@ -125,41 +134,39 @@ class SpecEngine:
         result.synthetic = self.config.synthetic_acceptance_rate is not None
         return result
 
-    def step(self, rows: list[RowState]) -> None:
-        """One speculative step for every row: propose, verify, emit, roll back."""
+    def step(self, rows: list[RowState], sampling: SamplingTensors | None = None) -> None:
+        """One speculative step for every row: propose, verify, emit, roll back.
+
+        Nothing is read back from the device but the verdict, once (`read_back`);
+        `sampling` is the rows' parameters on the device, built once per batch."""
         K = self.config.num_speculative_tokens
         device = self.verifier.seqs.device
-        # 1. Per-row budgets and random draws (from each row's own generator).
+        if sampling is None:
+            sampling = SamplingTensors.from_params([row.request.params for row in rows], device)
+        # 1. Per-row budgets (host ints) and counter-based draws (on the device).
         max_drafts = [row.max_drafts() for row in rows]
         if self.k_controller is not None:
             k_step = self.k_controller.choose_k([row.stats for row in rows], max_drafts)
             max_drafts = [min(k_step, cap) for cap in max_drafts]
-        uniforms = torch.stack([row.uniforms() for row in rows]).to(device)  # [B, 2K + 1]
-        rate = self.config.synthetic_acceptance_rate
-        if rate is not None:  # greedy rows draw no uniforms; synthetic acceptance still needs them
-            for b, row in enumerate(rows):
-                if row.request.params.greedy:
-                    uniforms[b, K : 2 * K] = torch.rand(K, generator=row.generator).to(device)
-        sampling = SamplingTensors.from_params([row.request.params for row in rows], device)
+        uniforms = step_uniforms(rows, K, device)  # [B, 2K + 1]
         # 2. Draft.
         t0 = time.perf_counter()
         proposal = self.drafter.propose(max_drafts, sampling, uniforms[:, :K])
         t1 = time.perf_counter()
-        # 3. Verify: one target pass over K + 1 positions, then the rejection test.
+        # 3. Verify: one target pass over K + 1 positions, the rejection test, one read-back.
         Kp = proposal.draft_token_ids.shape[1]
-        out = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate)
-        tokens, _, accepted, overlaps = out.per_row()
+        rate = self.config.synthetic_acceptance_rate
+        verdict = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate).read_back()
         t2 = time.perf_counter()
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
-        drafted = proposal.num_draft_tokens.tolist()
         kept = []
-        for row, new, k, n_draft, n_acc, ov in zip(rows, tokens, max_drafts, drafted, accepted, overlaps):
+        for row, new, k, n_draft, n_acc, ov in zip(rows, verdict.tokens, max_drafts, verdict.drafted, verdict.accepted, verdict.overlaps):
             row.stats.observe(n_draft, n_acc, ov, k=k)
             if self.k_controller is not None:
                 self.k_controller.observe(ov)
             kept.append(row.append(new))
-        self.verifier.commit(kept)
-        self.drafter.commit(kept)
+        self.verifier.commit(kept, verdict.accepted)
+        self.drafter.commit(kept, verdict.accepted)
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1

@@ -7,6 +7,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from raysd.core.draws import counter_uniforms
 from raysd.core.sampling import SamplingParams
 from raysd.core.stats import SpecDecodeStats
 
@@ -58,7 +59,6 @@ class RowState:
 
     def __post_init__(self) -> None:
         self.stats = SpecDecodeStats(self.num_speculative_tokens)
-        self.generator = torch.Generator().manual_seed(self.request.params.seed)
 
     @property
     def length(self) -> int:
@@ -70,16 +70,12 @@ class RowState:
         return max(0, min(self.num_speculative_tokens, room - 1))
 
     def uniforms(self) -> torch.Tensor:
-        """[2K + 1] draws for one step: K for drafting, K for acceptance, 1 for the final token.
+        """[2K + 1] float64 draws for one step: K for drafting, K for acceptance, 1 for the final token.
 
-        The same number every step whatever was drafted, so a row's random stream
-        depends on its seed and its own history only, never on its batch. Greedy
-        rows draw nothing.
-        """
-        K = self.num_speculative_tokens
-        if self.request.params.greedy:
-            return torch.full((2 * K + 1,), 0.5)
-        return torch.rand(2 * K + 1, generator=self.generator)
+        Counter-based (raysd.core.draws), keyed by the row's seed and the tokens it has
+        generated so far: a row's draws depend on its seed and its own history only, never
+        on its batch. `step_uniforms` computes the same for a whole batch on its device."""
+        return step_uniforms([self], self.num_speculative_tokens, torch.device("cpu"))[0]
 
     def append(self, tokens: Sequence[int]) -> list[int]:
         """Emit verified tokens up to a stop condition; returns those actually kept."""
@@ -105,3 +101,17 @@ class RowState:
 def stop_ids_for(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
     eos = () if params.ignore_eos else tuple(eos_token_ids)
     return frozenset(eos) | frozenset(params.stop_token_ids)
+
+
+def fill_holes(alive: Sequence[bool]) -> list[int]:
+    """The rows to keep, in an order that moves as few as possible: each finished row's slot
+    is taken by a surviving row from the end of the batch (a static cache copies only those)."""
+    n = sum(alive)
+    movers = [i for i in range(n, len(alive)) if alive[i]]
+    return [i if alive[i] else movers.pop() for i in range(n)]
+
+
+def step_uniforms(rows: Sequence[RowState], K: int, device: torch.device) -> torch.Tensor:
+    """[B, 2K + 1] float64 draws for one step of these rows, computed on `device` (see RowState.uniforms)."""
+    keys = torch.tensor([[row.request.params.seed, len(row.output)] for row in rows], dtype=torch.int64).to(device)
+    return counter_uniforms(keys[:, 0], keys[:, 1], 2 * K + 1)

@@ -12,25 +12,53 @@ from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_ta
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.drafters import Proposal
 from raysd.engine.sequences import SequenceState
-from raysd.models.runner import ModelRunner
+from raysd.models.runners import make_runner
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """A verification's outcome on the host: what the step reads back, in one copy."""
+
+    tokens: list[list[int]]  # ragged emitted tokens per row: accepted drafts, then recovered or bonus
+    drafted: list[int]  # drafts proposed and verified per row
+    accepted: list[int]  # drafts accepted per row
+    overlaps: list[list[float]]  # sum_x min(target_probs, draft_probs) at each tested position
 
 
 @dataclass(frozen=True)
 class VerifyOutput:
     rejection: RejectionOutput
     overlap: torch.Tensor  # [B, K] sum_x min(target_probs, draft_probs) per draft position
+    num_draft_tokens: torch.Tensor  # [B] drafts proposed per row
+
+    def read_back(self) -> StepVerdict:
+        """The step's one device-to-host copy: tokens, counts and overlaps packed in one tensor
+        (float64 holds token ids exactly)."""
+        r = self.rejection
+        K1 = r.output_token_ids.shape[1]
+        packed = torch.cat([
+            r.output_token_ids.double(),  # [B, K + 1]
+            torch.stack([r.num_accepted, r.num_tested, self.num_draft_tokens], dim=1).double(),  # [B, 3]
+            self.overlap.double(),  # [B, K]
+        ], dim=1).tolist()
+        tokens, drafted, accepted, overlaps = [], [], [], []
+        for row in packed:
+            n_acc, n_tested, n_draft = int(row[K1]), int(row[K1 + 1]), int(row[K1 + 2])
+            tokens.append([int(t) for t in row[: n_acc + 1]])
+            accepted.append(n_acc)
+            drafted.append(n_draft)
+            overlaps.append(row[K1 + 3 : K1 + 3 + n_tested])
+        return StepVerdict(tokens, drafted, accepted, overlaps)
 
     def per_row(self) -> tuple[list[list[int]], list[int], list[int], list[list[float]]]:
         """Ragged emitted tokens, drafts verified, drafts accepted, and the overlap at each tested position."""
-        tokens = self.rejection.to_lists()
-        tested = self.rejection.num_tested.tolist()
-        overlap = self.overlap.tolist()
-        return tokens, tested, self.rejection.num_accepted.tolist(), [o[:n] for o, n in zip(overlap, tested)]
+        v = self.read_back()
+        return v.tokens, [len(o) for o in v.overlaps], v.accepted, v.overlaps
 
 
 class TargetVerifier:
-    def __init__(self, model: PreTrainedModel):
-        self.seqs = SequenceState(ModelRunner(model))
+    def __init__(self, model: PreTrainedModel, runner: str = "auto"):
+        self.seqs = SequenceState(make_runner(model, runner))
         self.vocab_size = self.seqs.runner.vocab_size
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -39,8 +67,8 @@ class TargetVerifier:
     def select(self, rows: Sequence[int]) -> None:
         self.seqs.select(rows)
 
-    def commit(self, new_tokens: Sequence[Sequence[int]]) -> None:
-        self.seqs.commit(new_tokens)
+    def commit(self, new_tokens: Sequence[Sequence[int]], num_accepted: Sequence[int] | None = None) -> None:
+        self.seqs.commit(new_tokens, num_accepted)
 
     def verify(
         self,
@@ -54,8 +82,10 @@ class TargetVerifier:
         the rejection test, or, with `synthetic_acceptance_rate`, the synthetic accept rule
         (see `synthetic_accept`; its output does NOT follow the target distribution)."""
         ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
-        logits = self.seqs.feed(ids, num, num + 1)  # [B, n, V] with n = max(num) + 1
         K = ids.shape[1]
+        host = proposal.num_draft_host
+        n = max(host, default=0) + 1 if host is not None else None
+        logits = self.seqs.feed(ids, num, num + 1, n, host)  # [B, n, V] with n = max(num) + 1
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
         target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
@@ -63,7 +93,7 @@ class TargetVerifier:
             rejection = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_uniforms, final_uniforms)
         else:
             rejection = synthetic_accept(ids, num, target_probs, accept_uniforms, final_uniforms, synthetic_acceptance_rate)
-        return VerifyOutput(rejection, draft_target_overlap(proposal.draft_probs, target_probs))
+        return VerifyOutput(rejection, draft_target_overlap(proposal.draft_probs, target_probs), num)
 
 
 def synthetic_accept(

@@ -42,13 +42,15 @@ class ModelRunner:
         return self.valid.shape[0]
 
     @torch.inference_mode()
-    def forward(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
+                max_logits: int | None = None) -> torch.Tensor:
         """Append a chunk to every row and return the logits of each row's last tokens.
 
         Args:
             chunks: [B, T] token ids; each row's real tokens right-aligned (left padding).
             chunk_valid: [B, T] bool, True on real tokens.
             num_logits: [B] how many of each row's last real tokens need logits (>= 1).
+            max_logits: max(num_logits), if the caller knows it on the host.
         Returns:
             [B, n, V] float32 with n = max(num_logits); row b's logits are left-aligned,
             entries past num_logits[b] are not meaningful.
@@ -60,7 +62,7 @@ class ModelRunner:
         # stand-in instead, which can only cost acceptance, never exactness.
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
         mask = torch.cat([self.valid, chunk_valid], dim=1)  # [B, L + T]
-        n = int(num_logits.max())
+        n = max_logits if max_logits is not None else int(num_logits.max())
         out = self.model(
             input_ids=chunks,
             attention_mask=mask.long(),
@@ -77,8 +79,9 @@ class ModelRunner:
             logits = logits.gather(1, shift.clamp(max=n - 1)[..., None].expand(-1, -1, logits.shape[-1]))
         return logits
 
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Keep only each row's first `lengths[b]` cached tokens."""
+    def rollback(self, lengths: torch.Tensor, max_length: int | None = None) -> None:
+        """Keep only each row's first `lengths[b]` cached tokens (`max_length`: unused here,
+        see StaticModelRunner)."""
         assert lengths.shape == self.lengths.shape
         if bool((lengths == self.lengths).all()):
             return
@@ -107,6 +110,30 @@ class ModelRunner:
             _, H, _, D = layer.keys.shape
             layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, H, L, D)])
             layer.values = torch.cat([layer.values, layer.values.new_zeros(n, H, L, layer.values.shape[-1])])
+
+    def add_prefilled(self, prefixes: Sequence[Sequence[int]]) -> None:
+        """Append len(prefixes) rows whose caches hold the given tokens. The prefixes are
+        prefilled apart and merged in, so one long prompt does not widen the old rows'
+        forward; an empty prefix is an empty row."""
+        n_old = self.num_rows
+        with_prefix = [i for i, p in enumerate(prefixes) if len(p)]
+        fresh = ModelRunner(self.model, self.vocab_size, self.repack_fraction)
+        if with_prefix:
+            fresh.add_rows(len(with_prefix))
+            rows = [list(prefixes[i]) for i in with_prefix]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.int64)
+            valid = torch.zeros(len(rows), width, dtype=torch.bool)
+            for b, r in enumerate(rows):
+                ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.int64)
+                valid[b, width - len(r) :] = True
+            fresh.forward(ids.to(self.device), valid.to(self.device), torch.ones(len(rows), dtype=torch.int64, device=self.device))
+        self.merge(fresh)
+        empty = [i for i in range(len(prefixes)) if not len(prefixes[i])]
+        self.add_rows(len(empty))
+        if empty and with_prefix:
+            slot = {row: n_old + k for k, row in enumerate(with_prefix + empty)}
+            self.select(list(range(n_old)) + [slot[i] for i in range(len(prefixes))])
 
     def merge(self, other: "ModelRunner") -> None:
         """Append the rows of `other` (same model) after this runner's rows."""

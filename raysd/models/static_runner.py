@@ -1,27 +1,27 @@
-"""A ModelRunner over preallocated key/value buffers: the GPU fast path's cache (issue 8).
+"""A runner over preallocated key/value buffers with one slot per row: the fast path's cache.
 
-Same interface and column layout as `raysd.models.runner.ModelRunner` (column c of the
-cache is column c of every row; a chunk is appended at the same columns for every row,
-each row's real tokens right-aligned in it), but:
+Same interface as `raysd.models.runner.ModelRunner` (rows, ragged right-aligned chunks,
+`rollback`, `select`, `add_rows`, `add_prefilled`), but laid out as gpt-fast's static
+cache, with a batch:
 
-* keys and values live in buffers [B, H, L_max, D] per layer, written in place at the
-  columns [w, w + T) of each chunk (`index_copy_`): no `torch.cat` of the whole cache per
-  forward. The write column w is a host int (every chunk width is known on the host);
-* `rollback` only clears bits of the validity mask: rolled-back columns become holes that
-  no query attends to (positions come from `lengths`, so holes shift nothing). No gather,
-  no host synchronisation. When a chunk would run past L_max, one compaction (the gather
-  that ModelRunner does after every rollback) right-aligns the kept tokens;
-* the model gets a ready 4D mask, so transformers skips its own mask building (and the
-  `.all()` host synchronisation in it); padded query positions attend to their own
-  column only, so no attention row is fully masked;
-* a forward of T <= SMALL_CHUNK tokens keeps logits for all T positions and gathers each
-  row's last `num_logits[b]`: no `int(num_logits.max())` unless the caller does not pass
-  `max_logits` (the shape of the result is [B, max(num_logits), V], as ModelRunner's).
+* keys and values live in buffers [S, H, L, D] per layer: row b is slot b, and its
+  cached tokens sit at columns [0, lengths[b]), position p at column p. A chunk's real
+  tokens are written in place at columns lengths[b] + t (one `scatter_` per layer);
+  the chunk's padding writes to the last column, which no query ever reads.
+* `rollback` moves each row's length: nothing is masked, copied or read back. The
+  columns past a row's length hold stale keys that the next chunk overwrites, and that
+  no query attends to (query at position p sees columns <= p).
+* `select` copies only the rows that change slots; `add_rows` starts rows at length 0
+  in the next free slots; `add_prefilled` runs a prompt forward over the new slots only.
+  No other row is re-packed.
+* the model gets a ready 4D mask [B, 1, T, W] over the first W columns, W the host's
+  upper bound on the longest row rounded up to `width_bucket`, so a decode step has a
+  fixed shape for many steps. Buffers grow (by doubling) only when a row would not fit.
 
-A decode step of fixed (B, T) therefore has static shapes and buffer addresses, apart from
-the columns it writes (a small device tensor): the candidate for torch.compile and CUDA
-graphs (docs/gpu.md). For decoder models whose attention takes a 4D mask and a Cache
-(Llama, Qwen2, Mistral); other architectures keep ModelRunner.
+Nothing in `forward` or `rollback` reads a device value on the host when the caller
+passes `max_logits` (and, to keep W tight, `max_length` to `rollback`). For decoder
+models whose attention takes a 4D mask and a Cache (Llama, Qwen2, Mistral, SmolLM2:
+`supports_static`); other architectures keep ModelRunner (`raysd.models.runners`).
 """
 
 from __future__ import annotations
@@ -35,247 +35,255 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from raysd.models.loading import output_vocab_size
 
 SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: K + 1, drafting: 1)
+STATIC_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})  # tested: tests/models/test_static_runner.py
 
 
-class _ColumnLayer(CacheLayerMixin):
-    """One layer's keys/values [B, H, L_max, D]; writes each chunk at the cache's columns."""
+def supports_static(model: PreTrainedModel) -> bool:
+    """Whether StaticModelRunner can run this model: an architecture whose attention reads
+    keys/values from `Cache.update` and takes a 4D mask, with sdpa or eager attention."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    return model.config.model_type in STATIC_MODEL_TYPES and impl in ("sdpa", "eager")
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys/values [S, H, L, D]; writes each chunk at the rows' own columns."""
 
     is_compileable = True
 
-    def __init__(self, owner: "_ColumnCache"):
+    def __init__(self, owner: "_SlotCache"):
         super().__init__()
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, H, _, D = key_states.shape
-        L = self.owner.max_cache_len
-        self.keys = key_states.new_zeros(B, H, L, D)
-        self.values = value_states.new_zeros(B, value_states.shape[1], L, value_states.shape[-1])
+        S, L = self.owner.capacity
+        self.keys = key_states.new_zeros(S, key_states.shape[1], L, key_states.shape[-1])
+        self.values = value_states.new_zeros(S, value_states.shape[1], L, value_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        columns = self.owner.columns
-        self.keys.index_copy_(2, columns, key_states)
-        self.values.index_copy_(2, columns, value_states)
-        return self.keys, self.values
+        o = self.owner
+        keys, values = self.keys[o.rows], self.values[o.rows]  # views [B, H, L, D] of the slots in use
+        index = o.write_columns[:, None, :, None]  # [B, 1, T, 1]
+        keys.scatter_(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]), key_states)
+        values.scatter_(2, index.expand(-1, values.shape[1], -1, values.shape[3]), value_states)
+        return keys[:, :, : o.width], values[:, :, : o.width]
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        return self.owner.max_cache_len, 0
+        return self.owner.width, 0
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        return self.owner.write
+        return 0  # positions come from position_ids; the mask is given ready
 
     def get_max_length(self) -> int:
-        return self.owner.max_cache_len
+        return self.owner.capacity[1]
 
 
-class _ColumnCache(Cache):
-    def __init__(self, num_layers: int, max_cache_len: int):
-        self.max_cache_len = max_cache_len
-        self.write = 0  # host int: the first column of the chunk being written
-        self.columns: torch.Tensor | None = None  # [T] device int64: the columns being written
-        super().__init__(layers=[_ColumnLayer(self) for _ in range(num_layers)])
+class _SlotCache(Cache):
+    """What the layers read during a forward: which slots, which columns to write, how wide to attend.
+    Attribute names avoid Cache's own (e.g. `max_cache_len` is a read-only property in transformers 5.17)."""
+
+    def __init__(self, num_layers: int, capacity: tuple[int, int]):
+        self.capacity = capacity  # (slots S, columns L) of every layer's buffers
+        self.rows = slice(0, 0)  # the slots this forward runs on
+        self.write_columns: torch.Tensor | None = None  # [B, T] column of each chunk token
+        self.width = 0  # columns attended: [0, width)
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
 
 class StaticModelRunner:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, max_cache_len: int = 1024,
-                 checks: bool = False, compile: bool = False):
-        """`checks` turns on the assertions that need a host synchronisation (tests);
-        `compile` runs the model through torch.compile (static shapes per (B, T))."""
-        impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(f"StaticModelRunner passes a 4D mask; attention implementation {impl!r} is not supported")
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, max_cache_len: int = 256,
+                 checks: bool = False, compile: bool = False, width_bucket: int = 64):
+        """`max_cache_len`: initial columns per row (buffers double when a row needs more);
+        `checks` turns on the assertions that need a host synchronisation (tests);
+        `compile` runs the model through torch.compile (static shapes per (B, T, W))."""
+        if not supports_static(model):
+            impl = getattr(model.config, "_attn_implementation", None)
+            raise ValueError(f"StaticModelRunner supports {sorted(STATIC_MODEL_TYPES)} with sdpa/eager attention, "
+                             f"not {model.config.model_type!r} with {impl!r}; use ModelRunner")
+        assert max_cache_len >= 2 and width_bucket >= 1
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = vocab_size or output_vocab_size(model)
         self.num_embeddings = model.get_input_embeddings().num_embeddings
-        self.max_cache_len = max_cache_len
         self.checks = checks
-        self._additive_mask = impl == "eager"
+        self.width_bucket = width_bucket
+        self._additive_mask = model.config._attn_implementation == "eager"
         self._dtype = next(model.parameters()).dtype
-        self.cache = _ColumnCache(model.config.num_hidden_layers, max_cache_len)
-        self.valid = torch.zeros(0, max_cache_len, dtype=torch.bool, device=self.device)  # [B, L_max]
-        self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B]
+        self.cache = _SlotCache(model.config.num_hidden_layers, (0, max_cache_len))
+        self._lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [S] cached tokens per slot
+        self._num_rows = 0
+        self._bound = 0  # host upper bound on max(lengths)
         self._model_call = torch.compile(model, dynamic=False) if compile else model
-        # The write column on the device, and per-width column tensors: a step reads only
-        # these (updated in place), never a host int, so it can be captured (CudaGraphStep).
-        self._w = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._all_columns = torch.arange(max_cache_len, device=self.device)
-        self._columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> (arange(T), columns being written)
 
     @property
     def num_rows(self) -> int:
-        return self.valid.shape[0]
+        return self._num_rows
 
     @property
-    def write(self) -> int:
-        """Columns [0, write) have been written; the next chunk starts here."""
-        return self.cache.write
+    def lengths(self) -> torch.Tensor:
+        """[B] cached tokens per row (a view of the slots' lengths)."""
+        return self._lengths[: self._num_rows]
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.cache.capacity[1] - 1  # the last column takes the padding's writes
 
     @torch.inference_mode()
     def forward(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
                 max_logits: int | None = None) -> torch.Tensor:
         """As ModelRunner.forward. `max_logits` = max(num_logits) when the caller knows it on
         the host (saves a synchronisation); otherwise it is read from the device."""
-        B, T = chunks.shape
-        assert B == self.num_rows and chunk_valid.shape == (B, T) and num_logits.shape == (B,)
-        self._make_room(T)
+        assert chunks.shape[0] == self.num_rows
         n = max_logits if max_logits is not None else int(num_logits.max())
+        return self._forward(slice(0, self.num_rows), chunks, chunk_valid, num_logits, n)
+
+    def _forward(self, rows: slice, chunks, chunk_valid, num_logits, n: int) -> torch.Tensor:
+        B, T = chunks.shape
+        assert chunk_valid.shape == (B, T) and num_logits.shape == (B,) and rows.stop - rows.start == B
+        self._reserve(self._bound + T)
+        self._bound += T
+        width = min(-(-self._bound // self.width_bucket) * self.width_bucket, self.max_cache_len)
+        lengths = self._lengths[rows]  # [B] view
         keep = T if T <= SMALL_CHUNK else n  # logits computed; >= n
-        self._w.fill_(self.cache.write)
-        logits = self._device_step(chunks, chunk_valid, num_logits, n, keep)
-        self.cache.write += T
+        logits = self._device_step(rows, lengths, chunks, chunk_valid, num_logits, n, keep, width)
+        lengths.add_(chunk_valid.sum(dim=1))
         return logits
 
-    def _make_room(self, T: int) -> None:
-        if self.cache.write + T > self.max_cache_len:
-            self._compact()
-            if self.cache.write + T > self.max_cache_len:
-                raise ValueError(f"a chunk of {T} tokens does not fit: {self.cache.write} of {self.max_cache_len} columns hold kept tokens")
-
-    def _device_step(self, chunks, chunk_valid, num_logits, n: int, keep: int) -> torch.Tensor:
-        """The step itself: device tensors in, device tensors out, runner state updated in
-        place, no host synchronisation and nothing read from the host but shapes."""
+    def _device_step(self, rows: slice, lengths, chunks, chunk_valid, num_logits, n: int, keep: int, width: int):
+        """The step itself: device tensors in, device tensors out, no host synchronisation."""
         B, T = chunks.shape
-        if T not in self._columns:
-            self._columns[T] = (torch.arange(T, device=self.device), torch.zeros(T, dtype=torch.int64, device=self.device))
-        offsets, cols = self._columns[T]
-        torch.add(offsets, self._w, out=cols)  # [T] the columns written: w .. w + T - 1
-        positions = (self.lengths[:, None] + chunk_valid.cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+        positions = lengths[:, None] + chunk_valid.cumsum(dim=1) - 1  # [B, T]
+        trash = self.max_cache_len  # padding writes here; no query reads it
+        cache = self.cache
+        cache.rows, cache.width = rows, width
+        cache.write_columns = torch.where(chunk_valid, positions, trash)  # [B, T]
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
-        self.valid.scatter_(1, cols[None, :].expand(B, T), chunk_valid)
-        self.cache.columns = cols
         out = self._model_call(
             input_ids=chunks,
-            attention_mask=self._mask(cols),
-            position_ids=positions,
-            past_key_values=self.cache,
+            attention_mask=self._mask(positions, chunk_valid, width),
+            position_ids=positions.clamp(min=0),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=keep,
         )
-        self.lengths.add_(chunk_valid.sum(dim=1))
         logits = out.logits[:, -keep:, : self.vocab_size].float()  # [B, keep, V]
         shift = (keep - num_logits)[:, None] + torch.arange(n, device=self.device)  # [B, n]
         return logits.gather(1, shift.clamp(0, keep - 1)[..., None].expand(-1, -1, logits.shape[-1]))
 
-    def _mask(self, cols: torch.Tensor) -> torch.Tensor:
-        """[B, 1, T, L_max]: query t (column cols[t]) sees valid columns <= cols[t], and always itself."""
-        all_cols, q = self._all_columns[None, None, :], cols[None, :, None]  # [1, 1, L], [1, T, 1]
-        allowed = (self.valid[:, None, :] & (all_cols <= q)) | (all_cols == q)
-        allowed = allowed[:, None]  # [B, 1, T, L]
+    def _mask(self, positions: torch.Tensor, chunk_valid: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, 1, T, W]: a real token at position p sees columns <= p (its row's cache, then the
+        chunk's earlier tokens); padding sees column 0 only, so no attention row is empty."""
+        cols = torch.arange(width, device=self.device)[None, None, :]  # [1, 1, W]
+        allowed = torch.where(chunk_valid[..., None], cols <= positions[..., None], cols == 0)  # [B, T, W]
+        allowed = allowed[:, None]  # [B, 1, T, W]
         if self._additive_mask:
             return torch.zeros(allowed.shape, dtype=self._dtype, device=self.device).masked_fill_(
                 ~allowed, torch.finfo(self._dtype).min)
         return allowed
 
     @torch.inference_mode()
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Keep only each row's first `lengths[b]` cached tokens (a mask update, no sync)."""
-        assert lengths.shape == self.lengths.shape
+    def rollback(self, lengths: torch.Tensor, max_length: int | None = None) -> None:
+        """Keep only each row's first `lengths[b]` cached tokens: the lengths move, nothing else.
+        `max_length` (the host's max(lengths), if known) keeps the attended width tight."""
+        assert lengths.shape == (self.num_rows,)
         if self.checks:
             assert bool((lengths <= self.lengths).all()), "rollback cannot grow a row"
-        self.valid &= self.valid.cumsum(dim=1) <= lengths[:, None]  # in place: buffers never move here
+            assert max_length is None or not lengths.numel() or int(lengths.max()) <= max_length
         self.lengths.copy_(lengths)
+        if max_length is not None:
+            self._bound = max_length
 
     @torch.inference_mode()
     def select(self, rows: Sequence[int]) -> None:
-        """Keep the given rows, in the given order."""
-        index = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
-        self.valid, self.lengths = self.valid[index], self.lengths[index]
-        for layer in self._layers():
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-        if not len(rows):
-            self.cache.write = 0
+        """Keep the given rows, in the given order: row i moves to slot i. Only the rows whose
+        slot changes are copied (a caller that fills holes with the last rows moves few)."""
+        rows = [int(r) for r in rows]
+        assert len(set(rows)) == len(rows) and all(0 <= r < self.num_rows for r in rows)
+        moved = [(i, r) for i, r in enumerate(rows) if i != r]
+        if moved:
+            dst = torch.tensor([i for i, _ in moved], device=self.device)
+            src = torch.tensor([r for _, r in moved], device=self.device)
+            used = min(self._bound, self.max_cache_len)
+            for layer in self._layers():
+                for buf in (layer.keys, layer.values):
+                    head = buf[:, :, :used]
+                    head.index_copy_(0, dst, head.index_select(0, src))
+            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
+        self._num_rows = len(rows)
+        if not rows:
+            self._bound = 0
 
     @torch.inference_mode()
     def add_rows(self, n: int) -> None:
-        """Append n empty rows at the end of the batch."""
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.max_cache_len)])
-        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)])
-        for layer in self._layers():
-            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, *layer.keys.shape[1:])])
-            layer.values = torch.cat([layer.values, layer.values.new_zeros(n, *layer.values.shape[1:])])
+        """Append n empty rows (length 0) in the next slots."""
+        B = self.num_rows + n
+        if B > self.cache.capacity[0]:
+            self._grow(max(B, 2 * self.cache.capacity[0]), self.cache.capacity[1])
+        self._lengths[self.num_rows : B] = 0
+        self._num_rows = B
 
     @torch.inference_mode()
-    def merge(self, other) -> None:
-        """Append the rows of `other` (same model): a StaticModelRunner or a ModelRunner.
+    def add_prefilled(self, prefixes: Sequence[Sequence[int]]) -> None:
+        """Append len(prefixes) rows whose caches hold the given tokens: one forward over
+        the new slots only (an empty prefix is an empty row)."""
+        start = self.num_rows
+        self.add_rows(len(prefixes))
+        width = max((len(p) for p in prefixes), default=0)
+        if width == 0:
+            return
+        ids = torch.zeros(len(prefixes), width, dtype=torch.int64)
+        valid = torch.zeros(len(prefixes), width, dtype=torch.bool)
+        for b, p in enumerate(prefixes):
+            if p:
+                ids[b, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.int64)
+                valid[b, width - len(p) :] = True
+        ones = torch.ones(len(prefixes), dtype=torch.int64, device=self.device)
+        bound = self._bound
+        self._forward(slice(start, self.num_rows), ids.to(self.device), valid.to(self.device), ones, 1)
+        self._bound = max(bound, width)  # the old rows did not grow
 
-        Both sides' written columns are aligned to end at the same column
-        W = max(self.write, other's width); unwritten columns are invalid, so shifting a
-        side right only moves holes to its front."""
-        if isinstance(other, StaticModelRunner):
-            W_o, o_valid = other.write, other.valid[:, : other.write]
-            o_layers = [(l.keys[:, :, : other.write], l.values[:, :, : other.write]) for l in other._layers()]
-        else:  # ModelRunner: DynamicCache layers [B', H, W', D], right-aligned
-            W_o, o_valid = other.valid.shape[1], other.valid
-            o_layers = [(l.keys, l.values) for l in other._layers()]
-        W = max(self.write, W_o)
-        if W > self.max_cache_len:
-            self._compact()
-            W = max(self.write, W_o)
-            if W > self.max_cache_len:
-                raise ValueError(f"merged rows need {W} columns, the cache has {self.max_cache_len}")
-        shift = W - self.write
-        if shift:
-            self.valid = self.valid.roll(shift, dims=1)
-            for layer in self._layers():
-                layer.keys, layer.values = layer.keys.roll(shift, dims=2), layer.values.roll(shift, dims=2)
-        n_o, L = o_valid.shape[0], self.max_cache_len
-        placed_valid = o_valid.new_zeros(n_o, L)
-        placed_valid[:, W - W_o : W] = o_valid
-        mine = self._layers()
-        if o_layers and not mine:  # nothing written here yet: take the other's layer shapes
-            for layer, (k, v) in zip(self.cache.layers, o_layers):
-                layer.lazy_initialization(k.new_zeros(self.num_rows, *k.shape[1:]), v.new_zeros(self.num_rows, *v.shape[1:]))
-            mine = self._layers()
-        for layer, (k, v) in zip(mine, o_layers):
-            pk = k.new_zeros(n_o, k.shape[1], L, k.shape[3])
-            pv = v.new_zeros(n_o, v.shape[1], L, v.shape[3])
-            pk[:, :, W - W_o : W], pv[:, :, W - W_o : W] = k, v
-            layer.keys, layer.values = torch.cat([layer.keys, pk]), torch.cat([layer.values, pv])
-        if mine and not o_layers:  # the other side never ran a forward: empty rows
-            for layer in mine:
-                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n_o, *layer.keys.shape[1:])])
-                layer.values = torch.cat([layer.values, layer.values.new_zeros(n_o, *layer.values.shape[1:])])
-        self.valid = torch.cat([self.valid, placed_valid])
-        self.lengths = torch.cat([self.lengths, other.lengths.to(self.lengths.dtype)])
-        self.cache.write = W
+    def _reserve(self, columns: int) -> None:
+        """Make room for rows of `columns` tokens (plus the padding column)."""
+        if columns + 1 > self.cache.capacity[1]:
+            L = self.cache.capacity[1]
+            while L < columns + 1:
+                L *= 2
+            self._grow(self.cache.capacity[0], L)
 
-    def _layers(self) -> list[_ColumnLayer]:
-        return [layer for layer in self.cache.layers if layer.is_initialized]
-
-    def _compact(self) -> None:
-        """Right-align each row's kept tokens into columns [0, width), width = max(lengths).
-        Synchronises (reads the width); runs only when the buffer is full."""
-        keep, counts, L = self.valid, self.lengths, self.max_cache_len
-        width = int(counts.max()) if counts.numel() else 0
-        index = keep.to(torch.int8).sort(dim=1, stable=True).indices[:, L - width :]  # [B, width] kept columns in order
+    def _grow(self, slots: int, columns: int) -> None:
+        """New buffers [slots, H, columns, D]; rows keep their slots and columns. Rare: doubling."""
+        S_old, L_old = self.cache.capacity
         for layer in self._layers():
-            for buf in (layer.keys, layer.values):  # in place: captured graphs stay valid
-                gather = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
-                kept = buf.gather(2, gather)
-                buf.zero_()
-                buf[:, :, :width] = kept
-        cols = self._all_columns
-        self.valid.copy_((cols[None, :] < width) & (cols[None, :] >= (width - counts)[:, None]))
-        self.cache.write = width
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(slots, old.shape[1], columns, old.shape[3])
+                keep = min(L_old - 1, columns - 1)  # the old padding column is not worth copying
+                new[:S_old, :, :keep] = old[:, :, :keep]
+                setattr(layer, name, new)
+        lengths = self._lengths.new_zeros(slots)
+        lengths[:S_old] = self._lengths
+        self._lengths = lengths
+        self.cache.capacity = (slots, columns)
+
+    def _layers(self) -> list[_SlotLayer]:
+        return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
 class CudaGraphStep:
-    """One StaticModelRunner forward of fixed (B, T, max_logits) captured as a CUDA graph.
+    """One StaticModelRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph.
 
-    Call it like `runner.forward(chunks, chunk_valid, num_logits)`: the inputs are copied
-    into static tensors, the write column into the runner's device scalar, the graph is
-    replayed, and the logits are returned (a copy). Valid while the runner's buffers stay
-    where they were at capture: `rollback` and compaction work in place; `select`,
-    `add_rows` and `merge` move them, after which a new capture is needed (they happen when
-    rows finish or join, not per token). CUDA only.
+    Call it like `runner.forward(chunks, chunk_valid, num_logits)`: the inputs are copied into
+    static tensors, the graph is replayed, and the logits are returned (a copy). Valid while
+    the runner's buffers stay where they were at capture and its row count is B: rollback,
+    select and add_rows work in place; only buffer growth (doubling) moves them, after which
+    a new capture is needed. The attended width is fixed at capture (`width`): the step
+    refuses to run once a row outgrows it. CUDA only.
     """
 
-    def __init__(self, runner: StaticModelRunner, width: int, max_logits: int, warmup: int = 2):
+    def __init__(self, runner: StaticModelRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if not runner._layers():
@@ -283,43 +291,49 @@ class CudaGraphStep:
         B, dev = runner.num_rows, runner.device
         self.runner, self.T, self.n = runner, width, max_logits
         self.keep = width if width <= SMALL_CHUNK else max_logits
+        self.attend = attend or runner.max_cache_len
+        runner._reserve(self.attend)
         self.ids = torch.zeros(B, width, dtype=torch.int64, device=dev)
         self.chunk_valid = torch.ones(B, width, dtype=torch.bool, device=dev)
         self.num = torch.full((B,), max_logits, dtype=torch.int64, device=dev)
-        runner._make_room(width)
+        self.rows = slice(0, B)
         self._pointers = self._buffer_pointers()
         with torch.inference_mode():
-            saved = runner.valid.clone(), runner.lengths.clone()
+            saved = runner.lengths.clone()
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # warm-up (allocator, cuBLAS handles) outside the graph
                 for _ in range(warmup):
-                    runner._w.fill_(runner.cache.write)
-                    runner._device_step(self.ids, self.chunk_valid, self.num, self.n, self.keep)
-                    runner.valid.copy_(saved[0])
-                    runner.lengths.copy_(saved[1])
+                    self._step()
+                    runner.lengths.copy_(saved)
             torch.cuda.current_stream(dev).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = runner._device_step(self.ids, self.chunk_valid, self.num, self.n, self.keep)
-            runner.valid.copy_(saved[0])  # capture ran no kernels, but be explicit
-            runner.lengths.copy_(saved[1])
+                self.out = self._step()
+            runner.lengths.copy_(saved)  # capture ran no kernels, but be explicit
+
+    def _step(self) -> torch.Tensor:
+        r = self.runner
+        lengths = r._lengths[self.rows]
+        out = r._device_step(self.rows, lengths, self.ids, self.chunk_valid, self.num, self.n, self.keep, self.attend)
+        lengths.add_(self.chunk_valid.sum(dim=1))
+        return out
 
     def _buffer_pointers(self) -> list[int]:
         r = self.runner
-        return [r.valid.data_ptr(), r.lengths.data_ptr()] + [t.data_ptr() for l in r._layers() for t in (l.keys, l.values)]
+        return [r._lengths.data_ptr()] + [t.data_ptr() for l in r._layers() for t in (l.keys, l.values)]
 
     @torch.inference_mode()
     def __call__(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
         r = self.runner
-        assert chunks.shape == self.ids.shape, (chunks.shape, self.ids.shape)
-        r._make_room(self.T)  # a compaction, if any, is in place
+        assert chunks.shape == self.ids.shape and r.num_rows == self.ids.shape[0], (chunks.shape, self.ids.shape)
+        if r._bound + self.T > self.attend:
+            raise RuntimeError(f"rows outgrew the captured width {self.attend}: capture a wider step")
         if self._buffer_pointers() != self._pointers:
-            raise RuntimeError("the runner's buffers moved (select / add_rows / merge): capture a new step")
+            raise RuntimeError("the runner's buffers moved (they grew): capture a new step")
         self.ids.copy_(chunks)
         self.chunk_valid.copy_(chunk_valid)
         self.num.copy_(num_logits)
-        r._w.fill_(r.cache.write)
         self.graph.replay()
-        r.cache.write += self.T
+        r._bound += self.T
         return self.out.clone()

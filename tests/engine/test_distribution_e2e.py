@@ -39,14 +39,15 @@ def copyable_prompt(target) -> list[int]:
     return [3, 5, t, 3, 5]
 
 
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
 @pytest.mark.parametrize("drafter_kind,k", [("model", 2), ("model", 4), ("ngram", 3)])
-def test_joint_law_of_two_tokens_matches_target(drafter_kind, k):
+def test_joint_law_of_two_tokens_matches_target(drafter_kind, k, runner):
     target = tiny_model("llama", seed=11, vocab=V)
     draft = tiny_model("llama", seed=12, layers=1, vocab=V)
     prompt = copyable_prompt(target)
     base = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_new_tokens=2, ignore_eos=True)
-    drafter = DraftModelDrafter(draft, V) if drafter_kind == "model" else NgramDrafter(V)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000))
+    drafter = DraftModelDrafter(draft, V, runner=runner) if drafter_kind == "model" else NgramDrafter(V)
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000, runner=runner))
     reqs = [Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 10_000 + i})) for i in range(N)]
     results = engine.generate(reqs)
     counts = np.zeros((V, V))

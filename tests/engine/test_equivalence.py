@@ -26,17 +26,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def run(target, drafter, prompt_list, k, batch_size, max_new_tokens, params=None):
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch_size, eos_token_ids=(EOS,)))
+RUNNERS = ["static", "dynamic"]  # every exactness test runs on both KV-cache runners (raysd.models.runners)
+
+
+def run(target, drafter, prompt_list, k, batch_size, max_new_tokens, params=None, runner="auto"):
+    config = EngineConfig(num_speculative_tokens=k, max_batch_size=batch_size, eos_token_ids=(EOS,), runner=runner)
+    engine = SpecEngine(target, drafter, config)
     params = params or SamplingParams(max_new_tokens=max_new_tokens)
     return engine.generate([Request(i, p, params) for i, p in enumerate(prompt_list)])
 
 
-def make_drafter(kind: str, target, arch: str):
+def make_drafter(kind: str, target, arch: str, runner: str = "auto"):
     if kind == "same":
-        return DraftModelDrafter(target, VOCAB)
+        return DraftModelDrafter(target, VOCAB, runner=runner)
     if kind == "random":
-        return DraftModelDrafter(tiny_model(arch, seed=123, layers=1), VOCAB)
+        return DraftModelDrafter(tiny_model(arch, seed=123, layers=1), VOCAB, runner=runner)
     if kind == "ngram":
         return NgramDrafter(VOCAB)
     return NoDrafter(VOCAB)
@@ -50,14 +54,17 @@ def arch_target(request):
     return arch, target, ps, [hf_greedy(target, p, 24) for p in ps]
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("drafter_kind", ["same", "random", "ngram", "none"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_matches_target_generate(arch_target, drafter_kind, k, batch_size):
+def test_greedy_matches_target_generate(arch_target, drafter_kind, k, batch_size, runner):
     arch, target, ps, expected = arch_target
+    if arch == "gpt2" and runner == "static":
+        pytest.skip("GPT-2 runs on the dynamic runner only (StaticModelRunner supports Llama-family models)")
     if batch_size == 1:  # batch 1 runs every prompt through a single slot; three prompts suffice
         ps, expected = ps[:3], expected[:3]
-    results = run(target, make_drafter(drafter_kind, target, arch), ps, k, batch_size, 24)
+    results = run(target, make_drafter(drafter_kind, target, arch, runner), ps, k, batch_size, 24, runner=runner)
     assert [r.token_ids for r in results] == expected
     for r in results:
         s = r.stats
@@ -68,12 +75,13 @@ def test_greedy_matches_target_generate(arch_target, drafter_kind, k, batch_size
             assert s.num_draft_tokens == 0 and s.mean_acceptance_length == 1.0
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_draft_equal_to_target_accepts_everything(k):
+def test_draft_equal_to_target_accepts_everything(k, runner):
     target = tiny_model("llama")
     # max_new_tokens a multiple of K + 1 and EOS ignored: every step drafts K and keeps all.
     params = SamplingParams(max_new_tokens=3 * (k + 1), ignore_eos=True)
-    results = run(target, DraftModelDrafter(target, VOCAB), prompts(), k, 4, 0, params)
+    results = run(target, DraftModelDrafter(target, VOCAB, runner=runner), prompts(), k, 4, 0, params, runner=runner)
     for r in results:
         assert len(r.token_ids) == 3 * (k + 1)
         assert r.stats.draft_acceptance_rate == 1.0
@@ -82,11 +90,12 @@ def test_draft_equal_to_target_accepts_everything(k):
         assert r.stats.acceptance_histogram == [0] * k + [3]
 
 
-def test_random_draft_changes_nothing_but_acceptance():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_random_draft_changes_nothing_but_acceptance(runner):
     target = tiny_model("llama")
     ps = prompts()
     expected = [hf_greedy(target, p, 24) for p in ps]
-    results = run(target, DraftModelDrafter(tiny_model("llama", seed=7, layers=1), VOCAB), ps, 4, 8, 24)
+    results = run(target, DraftModelDrafter(tiny_model("llama", seed=7, layers=1), VOCAB, runner=runner), ps, 4, 8, 24, runner=runner)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.num_accepted_draft_tokens for r in results) < sum(r.stats.num_draft_tokens for r in results)
 
@@ -102,11 +111,13 @@ def test_padded_vocabularies_of_different_sizes():
         assert [r.token_ids for r in run(target, DraftModelDrafter(d, VOCAB), ps, 4, 8, 16)] == expected
 
 
-def test_rows_finish_independently_and_free_their_slots():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_rows_finish_independently_and_free_their_slots(runner):
     target = tiny_model("llama")
     ps = prompts()
     budgets = [3, 20, 1, 9, 14, 2, 30, 5]
-    engine = SpecEngine(target, DraftModelDrafter(target, VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=3, eos_token_ids=(EOS,)))
+    config = EngineConfig(num_speculative_tokens=4, max_batch_size=3, eos_token_ids=(EOS,), runner=runner)
+    engine = SpecEngine(target, DraftModelDrafter(target, VOCAB, runner=runner), config)
     reqs = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(ps, budgets))]
     results = engine.generate(reqs)
     assert [r.request_id for r in results] == list(range(len(ps)))
@@ -137,14 +148,15 @@ def test_bad_requests_become_error_results():
     assert results[3].finish_reason in ("stop", "length") and results[3].error is None
 
 
-def test_same_seed_same_tokens_whatever_the_batch():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_same_seed_same_tokens_whatever_the_batch(runner):
     target = tiny_model("llama")
     draft = tiny_model("llama", seed=3, layers=1)
     ps = prompts()
     params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, max_new_tokens=16) for i in range(len(ps))]
 
     def sample(batch_size, order):
-        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, batch_size, (EOS,)))
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner=runner), EngineConfig(4, batch_size, (EOS,), runner=runner))
         res = engine.generate([Request(i, ps[i], params[i]) for i in order])
         return {r.request_id: r.token_ids for r in res}
 

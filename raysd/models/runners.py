@@ -1,0 +1,35 @@
+"""Which runner holds a model's KV cache: one interface, two implementations.
+
+`StaticModelRunner` (preallocated slots, rollback = moving a row's length) is the default
+for the architectures it supports (Llama, Qwen2, Mistral, SmolLM2); `ModelRunner` (Hugging
+Face DynamicCache, left-padded rows) runs every other causal LM. Both take the same calls:
+`forward`, `rollback`, `select`, `add_rows`, `add_prefilled`, and keep the same promise:
+each row's logits are those of an unpadded batch-of-one forward over its history.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from transformers import PreTrainedModel
+
+from raysd.models.runner import ModelRunner
+from raysd.models.static_runner import StaticModelRunner, supports_static
+
+RunnerKind = Literal["auto", "static", "dynamic"]
+RUNNER_KINDS: tuple[str, ...] = ("auto", "static", "dynamic")
+Runner = Union[ModelRunner, StaticModelRunner]
+
+
+def check_runner_kind(kind: str) -> None:
+    if kind not in RUNNER_KINDS:
+        raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {kind!r}")
+
+
+def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None) -> Runner:
+    """"auto": the static runner where the architecture supports it, else the dynamic one;
+    "static" refuses an unsupported model with a clear error instead of falling back."""
+    check_runner_kind(kind)
+    if kind == "static" or (kind == "auto" and supports_static(model)):
+        return StaticModelRunner(model, vocab_size=vocab_size)
+    return ModelRunner(model, vocab_size=vocab_size)

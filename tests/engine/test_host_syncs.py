@@ -1,0 +1,97 @@
+"""The engine's speculative step reads back from the device once: the verdict.
+
+On the CPU a read-back does not stall anything, so it is counted where it happens: a
+dispatch mode counts the ops that return a value to Python (`aten._local_scalar_dense`
+behind `.item()`, `int()`, `bool()`; `aten.nonzero`; `aten.equal`; `aten.is_nonzero`),
+and `Tensor.tolist` / `Tensor.numpy` / `Tensor.item` are wrapped to count copies to the host.
+On a GPU, tests/gpu sets `torch.cuda.set_sync_debug_mode("error")` over the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from tests.conftest import EOS, VOCAB, tiny_model
+
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"}
+STEP_BUDGET = 1  # the verdict
+
+
+class HostReads(TorchDispatchMode):
+    """Counts ops that hand a device value to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.count += 1
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_host_reads(monkeypatch):
+    reads = HostReads()
+    for method in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def wrapped(self, *a, _original=original, _name=method, **kw):
+            reads.count += 1
+            reads.names.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, method, wrapped)
+    with reads:
+        yield reads
+    monkeypatch.undo()
+
+
+def drafter_of(kind: str, target):
+    if kind == "model":
+        return DraftModelDrafter(tiny_model("llama", seed=5, layers=1), VOCAB)
+    return NgramDrafter(VOCAB) if kind == "ngram" else NoDrafter(VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
+    target = tiny_model("llama", seed=0)
+    engine = SpecEngine(target, drafter_of(kind, target), EngineConfig(num_speculative_tokens=4, max_batch_size=4, eos_token_ids=(EOS,)))
+    per_step = []
+    step = engine.step
+
+    def counted_step(rows, sampling=None):
+        with count_host_reads(monkeypatch) as reads:
+            step(rows, sampling)
+        per_step.append((reads.count, reads.names))
+
+    engine.step = counted_step
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4, 6)]
+    params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3, ignore_eos=True)
+    results = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert per_step and all(n <= STEP_BUDGET for n, _ in per_step), per_step
+
+
+def test_the_counter_sees_reads():
+    """The instrument itself: an .item(), a bool() and a tolist() are three reads."""
+    x = torch.arange(4)
+    mp = pytest.MonkeyPatch()
+    with count_host_reads(mp) as reads:
+        x.sum().item()
+        bool((x > 2).any())
+        x.tolist()
+    assert reads.count == 3, reads.names
