@@ -103,8 +103,18 @@ class KController:
         return (self.overlap_sum + c.prior_alpha * c.prior_weight) / (self.num_tested_positions + c.prior_weight)
 
     def choose_k(self, stats: Sequence[SpecDecodeStats], budgets: Sequence[int]) -> int:
-        prior = self.prior
-        return choose_k([row_alpha(s, prior, self.config.prior_weight) for s in stats], budgets, self.config)
+        return self.choose_k_from([s.overlap_sum for s in stats], [s.num_tested_positions for s in stats], budgets)
+
+    def choose_k_from(self, overlap_sums: Sequence[float], tested: Sequence[int], budgets: Sequence[int]) -> int:
+        """choose_k from the rows' statistics as arrays (the engine's Batch)."""
+        prior, w = self.prior, self.config.prior_weight
+        alphas = [(o + prior * w) / (n + w) for o, n in zip(overlap_sums, tested)]
+        return choose_k(alphas, budgets, self.config)
+
+    def observe_all(self, overlap_sum: float, tested: int) -> None:
+        """Several rows' tested positions at once."""
+        self.overlap_sum += float(overlap_sum)
+        self.num_tested_positions += int(tested)
 
     def observe(self, overlaps: Sequence[float]) -> None:
         """One row's tested positions in one step."""

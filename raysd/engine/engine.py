@@ -9,14 +9,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
+import numpy as np
 from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter
-from raysd.engine.rows import GenerationResult, Request, RowState, fill_holes, request_error, step_uniforms, stop_ids_for
+from raysd.engine.batch import Batch
+from raysd.engine.rows import GenerationResult, Request, fill_holes, request_error, step_uniforms
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
@@ -99,31 +100,28 @@ class SpecEngine:
                 results[i] = self._flag(GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error))
             else:
                 waiting.append((i, req))
-        active: list[tuple[int, RowState]] = []
+        batch = Batch(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids)
         sampling: SamplingTensors | None = None
         start = time.perf_counter()
-        while waiting or active:
-            admitted = []
-            while waiting and len(active) < cfg.max_batch_size:
-                i, req = waiting.popleft()
-                row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), self.max_model_len)
-                active.append((i, row))
-                admitted.append(req.prompt_token_ids)
+        while waiting or len(batch):
+            admitted = [waiting.popleft() for _ in range(min(len(waiting), cfg.max_batch_size - len(batch)))]
             if admitted:
                 t0 = time.perf_counter()
-                self.verifier.add_rows(admitted)
-                self.drafter.add_rows(admitted)
+                prompts = [req.prompt_token_ids for _, req in admitted]
+                self.verifier.add_rows(prompts)
+                self.drafter.add_rows(prompts)
+                batch.add(admitted)
                 self.timings.prefill_s += time.perf_counter() - t0
             if admitted or sampling is None:  # the batch changed: its parameters go to the device once
-                sampling = SamplingTensors.from_params([row.request.params for _, row in active], self.verifier.seqs.device)
-            self.step([row for _, row in active], sampling)
-            for i, row in active:
-                if row.finish_reason is not None:
-                    results[i] = self._flag(row.result())
-                    self.timings.generated_tokens += len(row.output)
-            keep = fill_holes([row.finish_reason is None for _, row in active])
-            if len(keep) < len(active):
-                active = [active[k] for k in keep]
+                sampling = SamplingTensors.from_params(batch.params, self.verifier.seqs.device)
+            self.step(batch, sampling)
+            finished = batch.finish != 0
+            for b in np.flatnonzero(finished):
+                results[batch.ids[b]] = self._flag(batch.result(b))
+                self.timings.generated_tokens += len(batch.outputs[b])
+            if finished.any():
+                keep = fill_holes((~finished).tolist())
+                batch.keep(keep)
                 self.verifier.select(keep)
                 self.drafter.select(keep)
                 sampling = None
@@ -134,24 +132,21 @@ class SpecEngine:
         result.synthetic = self.config.synthetic_acceptance_rate is not None
         return result
 
-    def step(self, rows: list[RowState], sampling: SamplingTensors | None = None) -> None:
-        """One speculative step for every row: propose, verify, emit, roll back.
+    def step(self, batch: Batch, sampling: SamplingTensors) -> None:
+        """One speculative step for every row of the batch: propose, verify, emit, roll back.
 
-        Nothing is read back from the device but the verdict, once (`read_back`);
-        `sampling` is the rows' parameters on the device, built once per batch."""
+        Nothing is read back from the device but the verdict, once."""
         K = self.config.num_speculative_tokens
         device = self.verifier.seqs.device
-        if sampling is None:
-            sampling = SamplingTensors.from_params([row.request.params for row in rows], device)
-        # 1. Per-row budgets (host ints) and counter-based draws (on the device).
-        max_drafts = [row.max_drafts() for row in rows]
+        # 1. Per-row budgets and K (host arrays); counter-based draws (on the device).
+        offered = batch.room()  # [B]
         if self.k_controller is not None:
-            k_step = self.k_controller.choose_k([row.stats for row in rows], max_drafts)
-            max_drafts = [min(k_step, cap) for cap in max_drafts]
-        uniforms = step_uniforms(rows, K, device)  # [B, 2K + 1]
-        # 2. Draft.
+            k_step = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, offered)
+            offered = np.minimum(offered, k_step)
+        uniforms = step_uniforms([r.params.seed for r in batch.requests], batch.generated, K, device)  # [B, 2K + 1]
+        # 2. Draft: up to offered[b] tokens per row, and the distributions they were drawn from.
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(max_drafts, sampling, uniforms[:, :K])
+        proposal = self.drafter.propose(offered.tolist(), sampling, uniforms[:, :K])
         t1 = time.perf_counter()
         # 3. Verify: one target pass over K + 1 positions, the rejection test, one read-back.
         Kp = proposal.draft_token_ids.shape[1]
@@ -159,14 +154,13 @@ class SpecEngine:
         verdict = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate).read_back()
         t2 = time.perf_counter()
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
-        kept = []
-        for row, new, k, n_draft, n_acc, ov in zip(rows, verdict.tokens, max_drafts, verdict.drafted, verdict.accepted, verdict.overlaps):
-            row.stats.observe(n_draft, n_acc, ov, k=k)
-            if self.k_controller is not None:
-                self.k_controller.observe(ov)
-            kept.append(row.append(new))
-        self.verifier.commit(kept, verdict.accepted)
-        self.drafter.commit(kept, verdict.accepted)
+        kept = batch.emit(verdict, offered)
+        if self.k_controller is not None:
+            tested = np.arange(verdict.overlaps.shape[1])[None, :] < verdict.num_tested[:, None]
+            self.k_controller.observe_all(np.where(tested, verdict.overlaps, 0.0).sum(), verdict.num_tested.sum())
+        accepted = verdict.num_accepted.tolist()
+        self.verifier.commit(kept, accepted)
+        self.drafter.commit(kept, accepted)
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1

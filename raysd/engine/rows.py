@@ -75,7 +75,7 @@ class RowState:
         Counter-based (raysd.core.draws), keyed by the row's seed and the tokens it has
         generated so far: a row's draws depend on its seed and its own history only, never
         on its batch. `step_uniforms` computes the same for a whole batch on its device."""
-        return step_uniforms([self], self.num_speculative_tokens, torch.device("cpu"))[0]
+        return step_uniforms([self.request.params.seed], [len(self.output)], self.num_speculative_tokens, "cpu")[0]
 
     def append(self, tokens: Sequence[int]) -> list[int]:
         """Emit verified tokens up to a stop condition; returns those actually kept."""
@@ -111,7 +111,8 @@ def fill_holes(alive: Sequence[bool]) -> list[int]:
     return [i if alive[i] else movers.pop() for i in range(n)]
 
 
-def step_uniforms(rows: Sequence[RowState], K: int, device: torch.device) -> torch.Tensor:
-    """[B, 2K + 1] float64 draws for one step of these rows, computed on `device` (see RowState.uniforms)."""
-    keys = torch.tensor([[row.request.params.seed, len(row.output)] for row in rows], dtype=torch.int64).to(device)
-    return counter_uniforms(keys[:, 0], keys[:, 1], 2 * K + 1)
+def step_uniforms(seeds: Sequence[int], positions: Sequence[int], K: int, device) -> torch.Tensor:
+    """[B, 2K + 1] float64 draws for one step, computed on `device`: K for drafting, K for
+    acceptance, 1 for the final token, keyed by each row's seed and tokens generated so far."""
+    keys = torch.tensor([list(seeds), list(positions)], dtype=torch.int64).to(device, non_blocking=True)  # [2, B]
+    return counter_uniforms(keys[0], keys[1], 2 * K + 1)

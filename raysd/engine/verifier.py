@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -16,13 +17,14 @@ from raysd.models.runners import make_runner
 
 
 @dataclass(frozen=True)
-class StepVerdict:
-    """A verification's outcome on the host: what the step reads back, in one copy."""
+class Verdict:
+    """One verification, read back to the host in one copy (`VerifyOutput.read_back`)."""
 
-    tokens: list[list[int]]  # ragged emitted tokens per row: accepted drafts, then recovered or bonus
-    drafted: list[int]  # drafts proposed and verified per row
-    accepted: list[int]  # drafts accepted per row
-    overlaps: list[list[float]]  # sum_x min(target_probs, draft_probs) at each tested position
+    tokens: np.ndarray  # [B, K + 1] int64: accepted drafts, then the recovered or bonus token, then -1
+    num_accepted: np.ndarray  # [B] drafts accepted; tokens emitted = num_accepted + 1
+    num_tested: np.ndarray  # [B] positions whose rejection test ran
+    num_drafted: np.ndarray  # [B] drafts proposed
+    overlaps: np.ndarray  # [B, K] float64 sum_x min(target_probs, draft_probs); meaningful below num_tested
 
 
 @dataclass(frozen=True)
@@ -31,29 +33,25 @@ class VerifyOutput:
     overlap: torch.Tensor  # [B, K] sum_x min(target_probs, draft_probs) per draft position
     num_draft_tokens: torch.Tensor  # [B] drafts proposed per row
 
-    def read_back(self) -> StepVerdict:
+    def read_back(self) -> Verdict:
         """The step's one device-to-host copy: tokens, counts and overlaps packed in one tensor
         (float64 holds token ids exactly)."""
         r = self.rejection
-        K1 = r.output_token_ids.shape[1]
+        W = r.output_token_ids.shape[1]  # K + 1
         packed = torch.cat([
             r.output_token_ids.double(),  # [B, K + 1]
             torch.stack([r.num_accepted, r.num_tested, self.num_draft_tokens], dim=1).double(),  # [B, 3]
             self.overlap.double(),  # [B, K]
-        ], dim=1).tolist()
-        tokens, drafted, accepted, overlaps = [], [], [], []
-        for row in packed:
-            n_acc, n_tested, n_draft = int(row[K1]), int(row[K1 + 1]), int(row[K1 + 2])
-            tokens.append([int(t) for t in row[: n_acc + 1]])
-            accepted.append(n_acc)
-            drafted.append(n_draft)
-            overlaps.append(row[K1 + 3 : K1 + 3 + n_tested])
-        return StepVerdict(tokens, drafted, accepted, overlaps)
+        ], dim=1).cpu().numpy()
+        counts = packed[:, W : W + 3].astype(np.int64)
+        return Verdict(packed[:, :W].astype(np.int64), counts[:, 0], counts[:, 1], counts[:, 2], packed[:, W + 3 :])
 
     def per_row(self) -> tuple[list[list[int]], list[int], list[int], list[list[float]]]:
         """Ragged emitted tokens, drafts verified, drafts accepted, and the overlap at each tested position."""
         v = self.read_back()
-        return v.tokens, [len(o) for o in v.overlaps], v.accepted, v.overlaps
+        tokens = [v.tokens[b, : v.num_accepted[b] + 1].tolist() for b in range(len(v.tokens))]
+        overlaps = [v.overlaps[b, : v.num_tested[b]].tolist() for b in range(len(v.tokens))]
+        return tokens, v.num_tested.tolist(), v.num_accepted.tolist(), overlaps
 
 
 class TargetVerifier:

@@ -326,7 +326,9 @@ class CudaGraphStep:
     @torch.inference_mode()
     def __call__(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
         r = self.runner
-        assert chunks.shape == self.ids.shape and r.num_rows == self.ids.shape[0], (chunks.shape, self.ids.shape)
+        assert chunks.shape == self.ids.shape, (chunks.shape, self.ids.shape)
+        if r.num_rows != self.ids.shape[0]:
+            raise RuntimeError(f"the runner has {r.num_rows} rows, the step was captured for {self.ids.shape[0]}: capture a new step")
         if r._bound + self.T > self.attend:
             raise RuntimeError(f"rows outgrew the captured width {self.attend}: capture a wider step")
         if self._buffer_pointers() != self._pointers:

@@ -121,16 +121,18 @@ def test_engine_state_lives_on_the_device():
     target = tiny_on_device("llama", dtype=torch.bfloat16)
     draft = tiny_on_device("llama", seed=9, layers=1, dtype=torch.bfloat16)
     engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 4, (EOS,)))
-    rows = []
-    from raysd.engine.rows import RowState
+    from raysd.core.sampling import SamplingTensors
+    from raysd.engine.batch import Batch
 
-    for i, p in enumerate(make_prompts()[:4]):
-        rows.append(RowState(Request(i, p, SamplingParams(max_new_tokens=8)), 4, frozenset([EOS]), 512))
-    engine.verifier.add_rows([r.request.prompt_token_ids for r in rows])
-    engine.drafter.add_rows([r.request.prompt_token_ids for r in rows])
-    engine.step(rows)
+    batch = Batch(4, 512, (EOS,))
+    items = [(i, Request(i, p, SamplingParams(max_new_tokens=8))) for i, p in enumerate(make_prompts()[:4])]
+    engine.verifier.add_rows([r.prompt_token_ids for _, r in items])
+    engine.drafter.add_rows([r.prompt_token_ids for _, r in items])
+    batch.add(items)
+    engine.step(batch, SamplingTensors.from_params(batch.params, DEVICE))
+    assert (batch.generated >= 1).all()
     for runner in (engine.verifier.seqs.runner, engine.drafter.seqs.runner):
-        assert runner.valid.device.type == DEVICE.type and runner.lengths.device.type == DEVICE.type
+        assert runner.lengths.device.type == DEVICE.type
         for layer in runner._layers():
             assert layer.keys.device.type == DEVICE.type and layer.keys.dtype == torch.bfloat16
 

@@ -67,7 +67,7 @@ def prefilled(model, rng, rows=4, max_cache_len=64):
 def test_fp32_static_runner_on_device_matches_unpadded_reference(arch):
     model = tiny_on_device(arch, dtype=torch.float32)
     rng = random.Random(0)
-    runner, hist = prefilled(model, rng, max_cache_len=40)  # small: compactions happen
+    runner, hist = prefilled(model, rng, max_cache_len=16)  # small: the buffers grow
     steps(model, runner, rng, hist, n_steps=12)
 
 
@@ -98,37 +98,47 @@ def test_cuda_graph_step_replays_exactly(dtype):
     if dtype == torch.float32:
         rng = random.Random(2)
         runner, hist = prefilled(model, rng, max_cache_len=48)
-        step = CudaGraphStep(runner, width=5, max_logits=5)
+        step = CudaGraphStep(runner, width=5, max_logits=5, attend=128)
         steps(model, runner, rng, hist, n_steps=12, step=step)
         return
     rng_a, rng_b = random.Random(3), random.Random(3)
     graphed, _ = prefilled(model, rng_a, max_cache_len=48)
     eager, _ = prefilled(model, rng_b, max_cache_len=48)
-    step = CudaGraphStep(graphed, width=5, max_logits=5)
+    step = CudaGraphStep(graphed, width=5, max_logits=5, attend=128)
+    eager._reserve(128)
     for _ in range(12):
         new = [[rng_a.randrange(3, VOCAB) for _ in range(rng_a.randint(1, 5))] for _ in range(4)]
         ids, valid = right_aligned(new, 5)
         num = torch.tensor([len(x) for x in new], device=DEVICE)
-        assert torch.equal(step(ids, valid, num), eager.forward(ids, valid, num, max_logits=5))
+        graph_logits = step(ids, valid, num)
+        assert torch.equal(graph_logits, eager_step(eager, ids, valid, num))
         drop = torch.tensor([rng_a.randint(0, 2) for _ in range(4)], device=DEVICE)
         graphed.rollback(graphed.lengths - drop)
         eager.rollback(eager.lengths - drop)
     graphed.select([0, 1])
-    with pytest.raises(RuntimeError, match="moved"):
+    with pytest.raises(RuntimeError, match="capture a new step"):
         step(ids, valid, num)
+
+
+def eager_step(runner, ids, valid, num, attend=128):
+    """The eager twin of a CudaGraphStep(attend=128): the same kernels at the same attended width."""
+    lengths = runner._lengths[: runner.num_rows]
+    out = runner._device_step(slice(0, runner.num_rows), lengths, ids, valid, num, 5, 5, attend)
+    lengths.add_(valid.sum(dim=1))
+    runner._bound += ids.shape[1]
+    return out
 
 
 def test_bf16_engine_over_static_runners_matches_hf_up_to_near_ties():
     target = tiny_on_device("llama", dtype=torch.bfloat16)
     draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 8, (EOS,)))
-    engine.verifier.seqs = SequenceState(StaticModelRunner(target, max_cache_len=96))
-    engine.drafter.seqs = SequenceState(StaticModelRunner(draft, vocab_size=VOCAB, max_cache_len=96))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"), EngineConfig(4, 8, (EOS,), runner="static"))
+    assert isinstance(engine.verifier.seqs.runner, StaticModelRunner)
     ps = make_prompts()
     results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])
     check_greedy_close(target, ps, [r.token_ids for r in results], [hf_greedy(target, p, 24) for p in ps])
     # and against the dynamic-cache engine, the same model in bf16
-    dyn = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 8, (EOS,)))
+    dyn = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="dynamic"), EngineConfig(4, 8, (EOS,), runner="dynamic"))
     assert isinstance(dyn.verifier.seqs.runner, ModelRunner)
     check_greedy_close(target, ps, [r.token_ids for r in results],
                        [r.token_ids for r in dyn.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])])

@@ -1,0 +1,206 @@
+"""Benchmark 4 (issue 15): the engine's overhead around its models, SmolLM2-135M on this CPU.
+
+One process, Spec-Bench first turns, greedy, EOS ignored so every variant makes the same
+number of tokens. Variants interleaved within each repeat; medians over repeats.
+
+1. Autoregressive: the engine with NoDrafter vs Hugging Face `generate` (same model,
+   prompts, dtype, batch): goal >= 1.0x.
+2. Step overhead: wall time of the engine's steps vs the time spent inside the models'
+   forwards during those steps (K draft forwards + one verify): goal <= 10% overhead.
+3. Speculative speedup vs the cost model: (tok/s with the draft) / (tok/s without) against
+   E * T_target(1) / (T_target(K+1) + K * T_draft), with E (tokens per target pass) measured
+   in the run and the three step times measured inside the same run's engine steps:
+   goal >= 90% of the prediction.
+
+    python bench/fastpath_bench.py                    # the documented run (docs/benchmarks.md)
+    python bench/fastpath_bench.py --quick            # smoke test
+    python bench/fastpath_bench.py --runner dynamic   # the Hugging Face DynamicCache runner instead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import load_prompts, loadavg, machine, median  # noqa: E402
+
+from raysd.core.sampling import SamplingParams  # noqa: E402
+from raysd.core.theory import serial_speedup  # noqa: E402
+from raysd.engine.drafters import DraftModelDrafter, NoDrafter  # noqa: E402
+from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
+from raysd.engine.rows import Request  # noqa: E402
+from raysd.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_model, load_tokenizer  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-task", type=int, default=2, help="Spec-Bench prompts per task (6 tasks)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--k", type=int, default=3, help="K for the draft-model variant")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the speculative variant")
+    p.add_argument("--runner", default="auto", choices=["auto", "static", "dynamic"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "fastpath_bench.json"))
+    p.add_argument("--quick", action="store_true", help="6 prompts, 8 tokens, 1 repeat, batch 1 and 2")
+    a = p.parse_args()
+    if a.quick:
+        a.per_task, a.max_new_tokens, a.repeats, a.batch_sizes = 1, 8, 1, "1,2"
+        a.out = str(Path(a.out).with_name("fastpath_bench_quick.json"))
+    a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    return a
+
+
+class ForwardClock:
+    """Seconds spent inside a model's forward (hooks on the top-level module), split by phase."""
+
+    def __init__(self, *models):
+        self.phase, self.seconds, self.calls, self._t0 = "step", {}, {}, 0.0
+        for m in models:
+            m.register_forward_pre_hook(self._pre)
+            m.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, out):
+        key = (self.phase, getattr(module, "_bench_name", "?"))
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - self._t0
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def reset(self):
+        self.seconds, self.calls = {}, {}
+
+    def total(self, phase: str, name: str | None = None) -> float:
+        return sum(v for (p, n), v in self.seconds.items() if p == phase and (name is None or n == name))
+
+    def count(self, phase: str, name: str) -> int:
+        return self.calls.get((phase, name), 0)
+
+
+def run_engine(target, drafter, k, batch, prompts, max_new, clock: ForwardClock, runner: str):
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch, runner=runner))
+    for side in (engine.verifier, engine.drafter):  # prefill forwards are timed apart from the steps
+        add = side.add_rows
+
+        def timed_add(prompts_, _add=add):
+            clock.phase = "prefill"
+            try:
+                _add(prompts_)
+            finally:
+                clock.phase = "step"
+
+        side.add_rows = timed_add
+    clock.reset()
+    t0 = time.perf_counter()
+    results = engine.generate([Request(i, p["ids"], params) for i, p in enumerate(prompts)])
+    wall = time.perf_counter() - t0
+    st = [r.stats for r in results]
+    steps = sum(s.num_spec_steps for s in st)
+    step_wall = wall - engine.timings.prefill_s
+    model_s = clock.total("step")
+    return {
+        "wall_s": wall, "tokens": [r.token_ids for r in results], "generated": sum(len(r.token_ids) for r in results),
+        "step_wall_s": step_wall, "model_s": model_s, "overhead": 1 - model_s / step_wall, "engine_steps": engine.timings.steps,
+        "t_target_step": clock.total("step", "target") / max(clock.count("step", "target"), 1),
+        "t_draft_step": clock.total("step", "draft") / max(clock.count("step", "draft"), 1),
+        "tokens_per_pass": 1 + sum(s.num_accepted_draft_tokens for s in st) / steps if steps else None,
+        "acceptance": (sum(s.num_accepted_draft_tokens for s in st) / max(sum(s.num_draft_tokens for s in st), 1)),
+    }
+
+
+@torch.inference_mode()
+def run_hf(target, batch, prompts, max_new, pad):
+    """HF generate in chunks of `batch` (left padding), exactly max_new tokens per row."""
+    tokens, t0 = [], time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        chunk = [p["ids"] for p in prompts[s : s + batch]]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                              min_new_tokens=max_new, pad_token_id=pad)
+        tokens += out[:, width:].tolist()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "generated": sum(map(len, tokens))}
+
+
+def main():
+    a = parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(a.threads)
+    target = load_model(ModelSpec())
+    draft = load_model(ModelSpec(a.draft))
+    target._bench_name, draft._bench_name = "target", "draft"
+    clock = ForwardClock(target, draft)
+    tok = load_tokenizer(DEFAULT_MODEL)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    prompts = load_prompts(tok, a.per_task)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+    info = {"machine": machine(), "args": vars(a), "num_prompts": len(prompts), "prompt_tokens": [len(p["ids"]) for p in prompts]}
+    print(f"{len(prompts)} prompts; load {loadavg()}", flush=True)
+
+    variants = {
+        "engine AR": lambda b, ps, n: run_engine(target, NoDrafter(vocab), 0, b, ps, n, clock, a.runner),
+        "HF generate": lambda b, ps, n: run_hf(target, b, ps, n, pad),
+        f"engine draft K={a.k}": lambda b, ps, n: run_engine(target, DraftModelDrafter(draft, vocab, runner=a.runner), a.k, b, ps, n, clock, a.runner),
+    }
+    for name, fn in variants.items():  # warm-up
+        for b in a.batch_sizes:
+            fn(b, prompts[:2], 4)
+    print(f"warm-up done; load {loadavg()}", flush=True)
+    runs: dict[tuple, list] = {}
+    for r in range(a.repeats):
+        for b in a.batch_sizes:
+            for name, fn in variants.items():
+                la = loadavg()
+                out = fn(b, prompts, a.max_new_tokens)
+                out["loadavg"] = la
+                runs.setdefault((name, b), []).append(out)
+                extra = f" overhead {out['overhead']:.1%}" if "overhead" in out else ""
+                print(f"[{r}] {name:18s} B={b:2d}: {out['generated'] / out['wall_s']:7.1f} tok/s{extra}  load {la}", flush=True)
+
+    rows, mismatches = [], []
+    spec = f"engine draft K={a.k}"
+    for b in a.batch_sizes:
+        tps = {name: median([x["generated"] / x["wall_s"] for x in runs[(name, b)]]) for name in variants}
+        ar, sp, hf = runs[("engine AR", b)], runs[(spec, b)], runs[("HF generate", b)]
+        if ar[0]["tokens"] != hf[0]["tokens"] or sp[0]["tokens"] != hf[0]["tokens"]:
+            mismatches.append(b)
+        t1 = median([x["t_target_step"] for x in ar])
+        tk1 = median([x["t_target_step"] for x in sp])
+        td = median([x["t_draft_step"] for x in sp])
+        e = median([x["tokens_per_pass"] for x in sp])
+        predicted = serial_speedup(e, t1, tk1, td, a.k)
+        measured = tps[spec] / tps["engine AR"]
+        rows.append({
+            "batch": b, "tok_s": tps, "ar_vs_hf": tps["engine AR"] / tps["HF generate"],
+            "ar_overhead": median([x["overhead"] for x in ar]), "spec_overhead": median([x["overhead"] for x in sp]),
+            "tokens_per_pass": e, "acceptance": median([x["acceptance"] for x in sp]),
+            "t_target_1_ms": t1 * 1e3, "t_target_k1_ms": tk1 * 1e3, "t_draft_ms": td * 1e3,
+            "spec_speedup": measured, "predicted_speedup": predicted, "of_prediction": measured / predicted,
+            "loadavg": [x["loadavg"] for name in variants for x in runs[(name, b)]],
+        })
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({**info, "rows": rows, "mismatches": mismatches, "loadavg_end": loadavg()}, indent=1))
+    print(f"\n{'B':>3} {'AR tok/s':>9} {'HF tok/s':>9} {'AR/HF':>6} {'AR ovh':>7} {'spec ovh':>8} {'E':>5} "
+          f"{'T1 ms':>6} {'TK1 ms':>7} {'Td ms':>6} {'speedup':>8} {'pred':>6} {'of pred':>7}")
+    for r in rows:
+        t = r["tok_s"]
+        print(f"{r['batch']:>3} {t['engine AR']:9.1f} {t['HF generate']:9.1f} {r['ar_vs_hf']:6.2f} {r['ar_overhead']:7.1%} "
+              f"{r['spec_overhead']:8.1%} {r['tokens_per_pass']:5.2f} {r['t_target_1_ms']:6.1f} {r['t_target_k1_ms']:7.1f} "
+              f"{r['t_draft_ms']:6.2f} {r['spec_speedup']:8.2f} {r['predicted_speedup']:6.2f} {r['of_prediction']:7.1%}")
+    print(f"wrote {a.out}")
+    assert not mismatches, f"greedy tokens differ from HF generate at batch sizes {mismatches}"
+
+
+if __name__ == "__main__":
+    main()
