@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 96
 EOS = 2
+
+# Hypothesis profiles. "ci" is derandomised: the examples are a fixed function of each test, so a
+# CI run cannot pass or fail by chance (and --hypothesis-seed has no effect there). It is chosen
+# whenever the CI environment variable is set to any value (`.ci/run` runs with CI=true) or
+# Hypothesis detects a CI by itself. Elsewhere "dev" draws fresh random examples each run, and
+# `--hypothesis-profile=explore` draws many more; `--hypothesis-seed=S` replays a run.
+# Tests that pin max_examples keep their count under ci and dev.
+_default = settings.get_profile("default")
+settings.register_profile("ci", _default, max_examples=100, derandomize=True, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", _default, deadline=None, print_blob=True)
+settings.register_profile("explore", _default, max_examples=5000, deadline=None, print_blob=True)
+_ci = "CI" in os.environ or getattr(settings, "get_current_profile_name", lambda: None)() == "ci"
+settings.load_profile("ci" if _ci else "dev")  # --hypothesis-profile, if given, is loaded after this
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab: int = VOCAB):

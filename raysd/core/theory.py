@@ -14,11 +14,44 @@ import numpy as np
 
 # ---------------------------------------------------------------- argument checks
 
+# Bounds and rounding. Every result below that has a bound (expected tokens in [1, K+1], extra
+# tokens in [0, N], a loss >= 0) is clamped into it, so no function rejects what another returns.
+# Arguments with a bound get one tolerance, BOUND_TOL, stated here only: a dimensionless argument
+# (a probability or TV distance in [0, 1], expected tokens >= 1, mu2 >= mu^2) may lie outside its
+# closed interval by BOUND_TOL (absolute for bounds of magnitude <= 1, relative beyond) and is
+# then clamped onto the bound; further out it raises ValueError. Why: such arguments are computed
+# in floating point, and rounding may put them just past a bound they satisfy exactly. This
+# module's float64 formulas err by < 1e-12 (expected_tokens_per_step(0.75, 0) was
+# 0.9999999999999999 before the clamp); raysd's acceptance rates (alpha_estimate, `raysd study`'s
+# alpha) are float32 sums of min(p, q) over the vocabulary, measured up to 1 + 2.4e-5 at
+# V = 151,936. 1e-4 covers both with margin, while a probability of 1.001 or 0.999 expected
+# tokens still raise. Times and cost ratios get no tolerance: they are inputs, not rounded onto a
+# bound, and a negative one is a mistake. (Two other constants are not bound checks: the 1e-3 on
+# entropy_moments' row sums, which accepts unnormalised float32/bf16 softmax rows, and optimal_k's
+# 1e-12 tie-break.)
+BOUND_TOL = 1e-4
+
+
+def _slack(bound: float) -> float:
+    return BOUND_TOL * max(1.0, abs(bound))
+
+
+def _real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
 
 def _prob(name: str, x: float) -> float:
-    if isinstance(x, bool) or not isinstance(x, Real) or not 0.0 <= x <= 1.0:
+    """x in [0, 1] up to BOUND_TOL, clamped into [0, 1]."""
+    if not _real(x) or not -_slack(0.0) <= x <= 1.0 + _slack(1.0):
         raise ValueError(f"{name} must be a real number in [0, 1], got {x!r}")
-    return float(x)
+    return min(max(float(x), 0.0), 1.0)
+
+
+def _at_least(name: str, x: float, lo: float, what: str = "") -> float:
+    """x >= lo up to BOUND_TOL, clamped up to lo."""
+    if not _real(x) or x < lo - _slack(lo):
+        raise ValueError(f"{name}{what} must be >= {lo:g}, got {x!r}")
+    return max(float(x), lo)
 
 
 def _int(name: str, x: int, lo: int) -> int:
@@ -28,10 +61,14 @@ def _int(name: str, x: int, lo: int) -> int:
 
 
 def _nonneg(name: str, x: float, strict: bool = False) -> float:
-    ok = isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
-    if not ok or x < 0 or (strict and x == 0):
+    if not _real(x) or x < 0 or (strict and x == 0):
         raise ValueError(f"{name} must be a finite real {'>' if strict else '>='} 0, got {x!r}")
     return float(x)
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    """A computed value put back into [lo, hi], the interval it lies in in exact arithmetic."""
+    return min(max(x, lo), hi)
 
 
 def _one_minus_pow(a: float, n: int) -> float:
@@ -46,12 +83,13 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     """E[tokens per target step] = (1 - alpha^(K+1)) / (1 - alpha); exactly K+1 at alpha == 1.
 
     Leviathan, Kalman, Matias 2023 (arXiv 2211.17192), eq. 1, assuming i.i.d. acceptance.
-    Includes the correction/bonus token, so it lies in [1, K+1].
+    Includes the correction/bonus token, so it lies in [1, K+1]; the result is clamped there,
+    so that rounding (e.g. 0.9999999999999999 at alpha = 0.75, K = 0) never leaves it.
     """
     a, k = _prob("alpha", alpha), _int("k", k, 0)
     if a == 1.0:
         return float(k + 1)
-    return _one_minus_pow(a, k + 1) / (1.0 - a)
+    return _clamp(_one_minus_pow(a, k + 1) / (1.0 - a), 1.0, float(k + 1))
 
 
 def expected_walltime_improvement(alpha: float, k: int, cost_ratio: float) -> float:
@@ -132,11 +170,11 @@ def expected_extra_tokens(p_accept: float, n: int) -> float:
 
 
 def expected_extra_tokens_closed_form(p_accept: float, n: int) -> float:
-    """E_0 = P (1 - P^N) / (1 - P) = sum_{j=1}^{N} P^j; exactly N at P == 1 [D]."""
+    """E_0 = P (1 - P^N) / (1 - P) = sum_{j=1}^{N} P^j; exactly N at P == 1, clamped into [0, N] [D]."""
     p, n = _prob("p_accept", p_accept), _int("n", n, 0)
     if p == 1.0:
         return float(n)
-    return p * _one_minus_pow(p, n) / (1.0 - p)
+    return _clamp(p * _one_minus_pow(p, n) / (1.0 - p), 0.0, float(n))
 
 
 def throughput_tokens_per_s(p_accept: float, n: int, t_draft_s: float, t_verify_s: float) -> float:
@@ -149,9 +187,8 @@ def throughput_tokens_per_s(p_accept: float, n: int, t_draft_s: float, t_verify_
 
 
 def _cost_args(e, t1, tk1, td, k, tc):
-    if not (isinstance(e, Real) and math.isfinite(e) and e >= 1.0):
-        raise ValueError(f"expected_tokens (per target step, incl. bonus token) must be >= 1, got {e!r}")
-    return (float(e), _nonneg("t_target_1", t1, strict=True), _nonneg("t_target_k1", tk1, strict=True),
+    e = _at_least("expected_tokens", e, 1.0, " (per target step, incl. bonus token)")
+    return (e, _nonneg("t_target_1", t1, strict=True), _nonneg("t_target_k1", tk1, strict=True),
             _nonneg("t_draft", td), _int("k", k, 0), _nonneg("t_comm", tc))
 
 
@@ -189,9 +226,9 @@ def expected_rejections(tv_distances: Sequence[float]) -> float:
     tv = np.asarray(tv_distances, dtype=np.float64)
     if tv.ndim != 1:
         raise ValueError(f"tv_distances must be 1-D (one expected TV per position), got shape {tv.shape}")
-    if not np.all((tv >= 0.0) & (tv <= 1.0)):
-        raise ValueError("every TV distance must lie in [0, 1]")
-    return float(tv.sum())
+    if not np.all((tv >= -_slack(0.0)) & (tv <= 1.0 + _slack(1.0))):  # NaN fails both
+        raise ValueError(f"every TV distance must lie in [0, 1] (up to BOUND_TOL = {BOUND_TOL:g})")
+    return float(np.clip(tv, 0.0, 1.0).sum())
 
 
 def pareto_front_tv_loss(rejection_prob: float, tv: float) -> float:
@@ -203,9 +240,9 @@ def pareto_front_tv_loss(rejection_prob: float, tv: float) -> float:
     """
     t = _prob("tv", tv)
     r = _prob("rejection_prob", rejection_prob)
-    if r > t:
+    if r > t + _slack(t):
         raise ValueError(f"rejection_prob must be <= tv ({t}) on the front, got {r}")
-    return t - r
+    return max(t - r, 0.0)
 
 
 # ---------------------------------------------------------------- Pankratov & Alistarh 2025
@@ -219,6 +256,8 @@ def entropy_moments(target_probs: np.ndarray) -> tuple[float, float]:
     i.e. the first two moments of the surprisal -log p(x), x ~ p, averaged over contexts.
     Pankratov & Alistarh 2025 (arXiv 2512.11718), abstract [V]; the body was not reachable,
     so this reading of "second log-moment" is ours. 0 log 0 is taken as 0. By Jensen mu2 >= mu^2.
+    Rows may sum to 1 within 1e-3 (float32 softmax output); each is renormalised first, so that
+    the moments are those of a distribution and mu2 >= mu^2 holds up to float64 rounding.
     """
     p = np.asarray(target_probs, dtype=np.float64)
     p = p[None, :] if p.ndim == 1 else p
@@ -228,11 +267,12 @@ def entropy_moments(target_probs: np.ndarray) -> tuple[float, float]:
         raise ValueError("target_probs must be finite and non-negative")
     if not np.allclose(p.sum(axis=1), 1.0, atol=1e-3):
         raise ValueError("each row of target_probs must sum to 1 (atol 1e-3)")
+    p = p / p.sum(axis=1, keepdims=True)
     pos = p > 0
     logp = np.log(np.where(pos, p, 1.0))  # log(1) = 0 where p == 0: guards log(0)
     h = -(p * logp).sum(axis=1)
     m2 = (p * logp * logp).sum(axis=1)
-    return float(h.mean()), float(m2.mean())
+    return max(float(h.mean()), 0.0), float(m2.mean())
 
 
 def speed_of_light_bound(mu: float, mu2: float, capacity: int) -> float:
@@ -241,10 +281,11 @@ def speed_of_light_bound(mu: float, mu2: float, capacity: int) -> float:
     Pankratov & Alistarh 2025 (arXiv 2512.11718; EACL 2026), abstract [V], for deterministic
     draft-tree algorithms; P = verifier capacity (B, "batch size", in the EACL version).
     The additive O(1) term is dropped, so this is the leading term only. Natural logs (nats).
+    mu = 0 (a deterministic target) has no finite bound and raises; mu2 may fall short of mu^2
+    by BOUND_TOL (rounding) and is then taken as mu^2.
     """
     mu = _nonneg("mu", mu, strict=True)
     mu2 = _nonneg("mu2", mu2)
     cap = _int("capacity", capacity, 2)
-    if mu2 < mu * mu * (1.0 - 1e-9):
-        raise ValueError(f"mu2 must be >= mu^2 (Jensen); got mu={mu}, mu2={mu2}")
+    mu2 = _at_least("mu2", mu2, mu * mu, f" (Jensen: mu^2, mu={mu})")
     return (mu + mu2) * math.log(cap) / (mu * mu)

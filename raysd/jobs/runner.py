@@ -137,8 +137,22 @@ def _data_context(quiet: bool):
         data_logger.setLevel(level)
 
 
+def progress_text(t: dict, elapsed: float) -> str:
+    """The progress line for JobStats totals `t`, `elapsed` seconds into the job. Until the first
+    row is generated, written or found already there, the job is starting (the replicas load
+    their models when the first batch reaches them) and the line says so rather than 0 tok/s."""
+    if not any(t.get(k) for k in ("rows_generated", "rows_written", "rows_skipped")):
+        read = int(t.get("rows_read", 0))
+        return (f"raysd generate: starting ({elapsed:.0f}s): Ray is up; loading the models, generating the "
+                f"first batch{f' ({read} rows read)' if read else ''}")
+    rate = f"{t['accepted'] / t['drafted']:.3f}" if t.get("drafted") else "n/a"
+    return (f"raysd generate: {int(t.get('rows_generated', 0))} rows generated, {int(t.get('rows_written', 0))} written, "
+            f"{int(t.get('rows_skipped', 0))} already there; {t.get('tokens', 0) / max(elapsed, 1e-9):.1f} tok/s, "
+            f"acceptance {rate}")
+
+
 class _Progress:
-    """One line on stderr every few seconds: rows generated and written, tokens/s, acceptance."""
+    """One line on stderr at once, then every few seconds: rows generated and written, tokens/s, acceptance."""
 
     def __init__(self, stats, started: float, quiet: bool):
         self.stats, self.started = stats, started
@@ -151,18 +165,16 @@ class _Progress:
     def line(self) -> str:
         import ray
 
-        t = ray.get(self.stats.get.remote(), timeout=30)
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        rate = f"{t['accepted'] / t['drafted']:.3f}" if t.get("drafted") else "n/a"
-        return (f"raysd generate: {int(t.get('rows_generated', 0))} rows generated, {int(t.get('rows_written', 0))} written, "
-                f"{int(t.get('rows_skipped', 0))} already there; {t.get('tokens', 0) / elapsed:.1f} tok/s, acceptance {rate}")
+        return progress_text(ray.get(self.stats.get.remote(), timeout=30), time.perf_counter() - self.started)
 
     def _run(self) -> None:
-        while not self.stop.wait(_PROGRESS_EVERY_S):
+        while True:  # one line at once (Ray is up by now), then one every _PROGRESS_EVERY_S
             try:
                 print(self.line(), file=sys.stderr, flush=True)
             except Exception:  # noqa: BLE001 - progress is best effort
                 pass
+            if self.stop.wait(_PROGRESS_EVERY_S):
+                return
 
     def close(self) -> None:
         self.stop.set()
@@ -182,6 +194,8 @@ def generate(cfg: GenerateConfig) -> JobSummary:
 
     from raysd.jobs.pipeline import JobStats, PartsSink, build_dataset, write_on_driver
 
+    if not cfg.quiet:
+        print("raysd generate: starting Ray", file=sys.stderr, flush=True)  # the models load after it
     we_started_ray = _init_ray(cfg)
     stats = progress = None
     result: dict = {}

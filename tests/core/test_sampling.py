@@ -138,7 +138,7 @@ def weights_and_uniforms(draw):
     return rows, us
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=max(150, settings().max_examples), deadline=None)  # more under --hypothesis-profile=explore
 @given(weights_and_uniforms())
 def test_sample_from_probs_never_returns_zero_probability_token(case):
     rows, us = case

@@ -89,7 +89,7 @@ def step_sequences(draw):
     return K, steps
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=max(150, settings().max_examples), deadline=None)  # more under --hypothesis-profile=explore
 @given(step_sequences())
 def test_identities_hold_for_any_sequence_of_steps(case):
     K, steps = case

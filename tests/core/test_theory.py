@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -104,9 +104,14 @@ def test_speculation_helps_iff_optimal_k_positive():
     assert th.optimal_k(1.0, 0.0, k_max=12) == 12
 
 
-@settings(max_examples=300, deadline=None, database=None)
+# 300 examples, or more under an exploring profile (tests/conftest.py: --hypothesis-profile=explore).
+@settings(max_examples=max(300, settings().max_examples), deadline=None, database=None)
 @given(a=st.floats(0, 1), c=st.floats(0, 2), k=st.integers(0, 64),
        t1=st.floats(1e-4, 1.0), ratio=st.floats(1.0, 70.0), td=st.floats(0, 0.5))
+@example(a=0.75, c=0.0, k=0, t1=1e-4, ratio=1.0, td=0.0)  # issue 21: E rounded to 0.9999999999999999
+@example(a=0.6, c=0.0, k=0, t1=1e-4, ratio=1.0, td=0.0)
+@example(a=1.0 - 2.0**-53, c=0.0, k=64, t1=1.0, ratio=70.0, td=0.5)
+@example(a=5e-324, c=2.0, k=1, t1=1e-4, ratio=1.0, td=0.0)
 def test_properties(a, c, k, t1, ratio, td):
     e = th.expected_tokens_per_step(a, k)
     assert 1.0 - 1e-12 <= e <= k + 1 + 1e-9
@@ -118,6 +123,87 @@ def test_properties(a, c, k, t1, ratio, td):
     assert th.overlapped_speedup(e, t1, t1 * ratio, td, k) >= s * (1 - 1e-12)
     assert th.overlapped_speedup(e, t1, t1 * ratio, td, k, t_comm=0.01) >= th.serial_speedup(
         e, t1, t1 * ratio, td, k, t_comm=0.01) * (1 - 1e-12)
+
+
+# ---------------------------------------------------------------- bounds under rounding (issue 21)
+
+
+def test_issue_21_expected_tokens_at_k0_is_exactly_one():
+    """Hypothesis found alpha = 0.75, K = 0: E was 0.9999999999999999 and serial_speedup rejected it."""
+    for a in (0.75, 0.6, 0.9, 1.0 - 2.0**-53):
+        e = th.expected_tokens_per_step(a, 0)
+        assert e == 1.0
+        assert th.serial_speedup(e, 1e-4, 1e-4, 0.0, 0) == 1.0
+        assert th.overlapped_speedup(e, 1e-4, 1e-4, 0.0, 0) == 1.0
+        assert th.expected_walltime_improvement(a, 0, 0.0) == 1.0
+
+
+def test_every_result_lies_in_its_bounds_and_is_accepted_back():
+    """A dense grid (seeded) of alpha, including the dyadic values whose 1 - alpha is exact, and
+    every K up to 64: each result lies exactly in its bounds and the cost models accept it."""
+    rng = np.random.default_rng(21)
+    alphas = np.concatenate([rng.random(400), [1 - 2.0**-i for i in range(1, 54)], [2.0**-i for i in range(1, 60)],
+                             [0.75, 0.6, 0.3, 0.1, 0.7, 0.9, 0.95, 0.999, 5e-324]])
+    for a in alphas.tolist():
+        for k in range(65):
+            e = th.expected_tokens_per_step(a, k)
+            assert 1.0 <= e <= k + 1, (a, k, e)
+            assert 0.0 <= th.expected_extra_tokens_closed_form(a, k) <= k
+            assert 0.0 <= th.expected_extra_tokens(a, k) <= k
+            assert th.serial_speedup(e, 1e-3, 2e-3, 1e-4, k) <= th.overlapped_speedup(e, 1e-3, 2e-3, 1e-4, k)
+            assert th.expected_arithmetic_overhead(a, k, 0.0) >= 1.0 - 1e-12
+        tv = 1.0 - a
+        assert th.alpha_from_tv(th.alpha_from_tv(tv)) == pytest.approx(tv, abs=1e-15)
+        assert th.pareto_front_tv_loss(tv, tv) == 0.0
+
+
+@pytest.mark.parametrize("inside", [0.0, 0.5])
+def test_bound_tolerance_accepts_rounding_and_clamps(inside):
+    tol = th.BOUND_TOL
+    off = inside * tol  # 0: exactly at the bound; 0.5: past it by half the tolerance
+    assert th.expected_tokens_per_step(1.0 + off, 3) == 4.0
+    assert th.expected_tokens_per_step(-off, 3) == 1.0
+    assert th.alpha_from_tv(1.0 + off) == 0.0
+    assert th.serial_speedup(1.0 - off, 1.0, 1.0, 0.0, 2) == 1.0
+    assert th.expected_rejections([1.0 + off, -off]) == 1.0
+    assert th.pareto_front_tv_loss(0.3 + off, 0.3) == 0.0
+    assert th.speed_of_light_bound(2.0, 4.0 * (1 - off), 8) == th.speed_of_light_bound(2.0, 4.0, 8)
+
+
+def test_bound_tolerance_is_not_a_loophole():
+    two = 2 * th.BOUND_TOL
+    for call in (lambda: th.expected_tokens_per_step(1.0 + two, 3), lambda: th.expected_tokens_per_step(-two, 3),
+                 lambda: th.serial_speedup(1.0 - two, 1.0, 1.0, 0.0, 2), lambda: th.expected_rejections([1.0 + two]),
+                 lambda: th.pareto_front_tv_loss(0.3 + two, 0.3),
+                 lambda: th.speed_of_light_bound(2.0, 4.0 * (1 - two), 8)):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(ValueError):  # times get no tolerance
+        th.serial_speedup(2.0, 1.0, 1.0, -1e-12, 2)
+
+
+def test_float32_acceptance_rate_is_accepted():
+    """raysd's alpha is a float32 sum of min(p, q) over the vocabulary; for q == p it may exceed
+    1 by rounding (up to 2.4e-5 measured at V = 151,936). The theory takes it as alpha = 1."""
+    import torch
+
+    from raysd.core.rejection import draft_target_overlap
+
+    p = torch.softmax(torch.randn(4, 3, 151_936, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    alpha = float(draft_target_overlap(p[:, :2], p).max())
+    assert 1.0 <= alpha <= 1.0 + th.BOUND_TOL
+    assert th.expected_tokens_per_step(alpha, 4) == 5.0
+
+
+def test_unnormalised_rows_keep_jensen_for_the_speed_of_light_bound():
+    """entropy_moments accepts rows summing to 1 within 1e-3; what it returns must be accepted by
+    speed_of_light_bound (before renormalising, mu2 fell 1e-3 short of mu^2 on a uniform row)."""
+    for scale in (1 - 9e-4, 1.0, 1 + 9e-4):
+        for v in (2, 8, 1000):
+            mu, mu2 = th.entropy_moments(np.full((3, v), scale / v))
+            assert mu2 >= mu * mu * (1 - 1e-12)
+            assert th.speed_of_light_bound(mu, mu2, 4) == pytest.approx(
+                (math.log(v) + math.log(v) ** 2) * math.log(4) / math.log(v) ** 2)
 
 
 # ---------------------------------------------------------------- Monte-Carlo (i.i.d. acceptance)
@@ -134,6 +220,7 @@ def test_monte_carlo_tokens_per_step(alpha, k):
     n = 200_000
     tokens = _simulate_accepted(np.random.default_rng(1234 + k), alpha, k, n) + 1
     se = tokens.std(ddof=1) / math.sqrt(n)
+    # 5 standard errors of the mean of n draws: a false alarm has probability 6e-7 (normal limit).
     assert abs(tokens.mean() - th.expected_tokens_per_step(alpha, k)) <= 5 * se
 
 
@@ -142,7 +229,8 @@ def test_monte_carlo_pmf(alpha, k):
     n = 200_000
     counts = np.bincount(_simulate_accepted(np.random.default_rng(99 + k), alpha, k, n), minlength=k + 1)
     pmf = th.truncated_geometric_pmf(alpha, k)
-    # per-bin binomial standard error, 5 sigma each
+    # per-bin binomial standard error sqrt(p(1-p)/n), 5 sigma each (6e-7 false alarm per bin),
+    # and the chi-square goodness of fit at 1e-6
     assert np.all(np.abs(counts / n - pmf) <= 5 * np.sqrt(pmf * (1 - pmf) / n) + 1e-12)
     assert stats.chisquare(counts, n * pmf).pvalue > 1e-6
 
