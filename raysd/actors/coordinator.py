@@ -16,7 +16,12 @@ the engine's own, so the same seeds give the same tokens as SpecEngine.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
+import uuid
+from concurrent.futures import Future
+from contextlib import contextmanager
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -112,6 +117,18 @@ class RunReport:
     generated_tokens: int = 0
     recoveries: int = 0  # times in-flight rows were re-queued after an actor failure
     transfer: TransferStats = field(default_factory=TransferStats)
+    slots: int = 0  # micro_batch_size * num_micro_batches: rows the actors can hold at once
+    active_rows: int = 0  # summed over completed steps: rows in the micro-batches when the step ended
+    recoveries_done: int = 0  # streams: recoveries followed by a completed step (see `_serve`)
+    queue_wait_s: float = 0.0  # summed over rows: from submission (or the start of `generate`) to admission
+    idle_s: float = 0.0  # streams: time the loop had no row at all to run (waiting for input)
+
+    @property
+    def occupancy(self) -> float | None:
+        """Mean rows in the micro-batches over steps / slots: 1 when every step ran full."""
+        if not self.steps or not self.slots:
+            return None
+        return self.active_rows / (self.steps * self.slots)
 
     @property
     def overlap_efficiency(self) -> float:
@@ -158,6 +175,7 @@ class SpecCoordinator:
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         self._k_controller: KController | None = None
+        self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
         bundles = [config.target_resources.bundle(), config.draft_resources.bundle()]
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
         try:
@@ -169,11 +187,14 @@ class SpecCoordinator:
                 f"{config.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
                 "On a machine without GPUs use ActorResources(num_gpus=0)."
             ) from None
-        self.target = self._actor(TargetActor, 0, config.target_resources).remote(target_factory)
-        # The draft starts (and loads its model) while the target loads; Ray hands it the
-        # target's vocabulary size once known, and again on every restart.
-        self._vocab_ref = self.target.get_vocab_size.remote()  # held: a restart reads it again
-        self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, self._vocab_ref, config.measure_bytes)
+        # The target is named (uniquely) so that the draft can find it: the draft starts (and loads
+        # its model) while the target loads, then asks the target for its vocabulary size, and asks
+        # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in
+        # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
+        # Every constructor argument here is small and travels inline.
+        target_name = f"raysd-target-{uuid.uuid4().hex}"
+        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(target_factory)
+        self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
         self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
         self.vocab_size = self.target_info.vocab_size
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
@@ -190,9 +211,10 @@ class SpecCoordinator:
             self._k_controller = KController(adaptive)
         return self._k_controller
 
-    def _actor(self, cls, bundle_index: int, resources: ActorResources):
+    def _actor(self, cls, bundle_index: int, resources: ActorResources, **options):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
         return ray.remote(cls).options(
+            **options,
             num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus,
             scheduling_strategy=strategy,
@@ -221,7 +243,9 @@ class SpecCoordinator:
         return StepCosts(tuple(batch_sizes), tuple(tuple(t) for t in target_s), tuple(draft_s))
 
     def generate(self, requests: Sequence[Request]) -> RunOutput:
-        """Generate for every request; results come back in request order, one per request."""
+        """Generate for every request; results come back in request order, one per request.
+
+        The same loop as `stream()` (`_serve`), fed once with the whole list."""
         cfg = self.config
         report = RunReport()
         results: dict[int, GenerationResult] = {}
@@ -233,14 +257,57 @@ class SpecCoordinator:
                 results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error)
             else:
                 waiting.append((i, req))
+        start = time.perf_counter()
+        with self._loop_lock("generate"):
+            self._serve(waiting, results, report, {i: start for i, _ in waiting})
+        report.wall_s = time.perf_counter() - start
+        assert len(results) == len(requests), "every request yields exactly one result"
+        return RunOutput([results[i] for i in range(len(requests))], report)
+
+    def stream(self, max_pending: int) -> "RequestStream":
+        """A long-lived loop on these actors, fed request by request (see `RequestStream`).
+        At most `max_pending` requests are queued or running at once; `submit` blocks beyond."""
+        return RequestStream(self, max_pending)
+
+    @contextmanager
+    def _loop_lock(self, who: str):
+        if not self._serving.acquire(blocking=False):
+            raise RuntimeError(f"{who}: this coordinator is already running a loop (a stream or a generate call)")
+        try:
+            yield
+        finally:
+            self._serving.release()
+
+    def _serve(self, waiting: deque, results, report: RunReport, enqueued: dict[int, float], refill=None) -> None:
+        """The pipeline loop: admit waiting rows into free slots, step every micro-batch, hand each
+        finished row to `results[i] = result` as soon as its step ends.
+
+        `refill(waiting, idle)`, when given, moves newly submitted requests into `waiting` before
+        each round (blocking while `idle`: nothing waiting or running); the loop ends once a round
+        leaves it with nothing to do. Without it the loop ends when `waiting` is drained.
+        `enqueued[i]`: when request i was submitted (for the queue-wait time)."""
+        cfg = self.config
+        report.slots = cfg.micro_batch_size * cfg.num_micro_batches
         mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
         in_flight: dict[ray.ObjectRef, _Flight] = {}
-        start = time.perf_counter()
-        while waiting or in_flight or any(mb.rows for mb in mbs):
+        while True:
+            if refill is not None:
+                idle = not (waiting or in_flight or any(mb.rows for mb in mbs))
+                t0 = time.perf_counter()
+                refill(waiting, idle)
+                if idle:
+                    report.idle_s += time.perf_counter() - t0
+            if not (waiting or in_flight or any(mb.rows for mb in mbs)):
+                return
             # 1. Every idle micro-batch takes waiting rows into free slots and starts its next step.
             for mb in mbs:
                 if not mb.busy:
+                    before = len(mb.rows)
                     self._admit(mb, waiting, mbs)
+                    if len(mb.rows) > before:
+                        now = time.perf_counter()
+                        for i, _ in mb.rows[before:]:
+                            report.queue_wait_s += now - enqueued.pop(i, now)  # a re-queued row counts once
                     if mb.rows:
                         ref, flight = self._submit(mb)
                         in_flight[ref] = flight
@@ -255,6 +322,7 @@ class SpecCoordinator:
                 # gone. Re-run their rows from the start; finished results stay.
                 self._recover(mbs, waiting, in_flight, report)
                 continue
+            report.active_rows += sum(len(m.rows) for m in mbs)
             self._finish_step(flight.mb, result, results, report)
             report.draft_busy_s += meta.busy_s
             report.target_busy_s += result.busy_s
@@ -266,9 +334,10 @@ class SpecCoordinator:
             t.draft_args += flight.draft_args_nbytes
             t.target_args += flight.target_args_nbytes
             t.results += pickled_nbytes(result) if cfg.measure_bytes else 0
-        report.wall_s = time.perf_counter() - start
-        assert len(results) == len(requests), "every request yields exactly one result"
-        return RunOutput([results[i] for i in range(len(requests))], report)
+            if refill is not None and report.recoveries:
+                # A stream lives for a whole job: max_recoveries bounds failures in a row, not in its life.
+                report.recoveries_done += report.recoveries
+                report.recoveries = 0
 
     def _admit(self, mb: _MicroBatch, waiting: deque, mbs: list[_MicroBatch]) -> None:
         """Fill free slots, sharing what is left evenly between micro-batches so both stay busy."""
@@ -353,3 +422,154 @@ class SpecCoordinator:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+@dataclass(frozen=True)
+class StreamedResult:
+    result: GenerationResult
+    latency_s: float  # from `submit` to the result (0 for a request refused at submission)
+
+
+class _Deliveries(dict):
+    """`_finish_step` writes `results[i] = result`; for a stream that hands the result over at once."""
+
+    def __init__(self, stream: "RequestStream"):
+        super().__init__()
+        self.stream = stream
+
+    def __setitem__(self, i, result) -> None:
+        self.stream._deliver(i, result)
+
+
+class RequestStream:
+    """A SpecCoordinator's loop kept running across calls: requests are admitted into free
+    micro-batch slots as soon as they are submitted (rows of several callers share the
+    micro-batches), and each result is handed back the moment its row finishes.
+
+    - `submit(request)` returns a `concurrent.futures.Future` of a `StreamedResult`. It is
+      thread-safe, and blocks while `max_pending` requests are already queued or running
+      (backpressure: memory holds at most `max_pending` requests).
+    - The loop is `SpecCoordinator._serve` (the same as `generate`) on a daemon thread; it
+      waits, without a step in flight, while there is nothing to run.
+    - Rows carry their own random streams, so a request gives the same tokens whatever it
+      shares its micro-batch with: the stream gives `generate`'s outputs.
+    - An actor failure re-runs the rows in flight exactly once (`_recover`); the
+      `max_recoveries` budget counts failures without a completed step in between. A failure
+      beyond it fails every pending future and every later `submit`.
+    - `totals()`: the loop's cumulative `RunReport` numbers (busy times, steps, occupancy...).
+    """
+
+    def __init__(self, coordinator: SpecCoordinator, max_pending: int):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.coordinator = coordinator
+        self.max_pending = max_pending
+        self.report = RunReport()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._room = threading.Semaphore(max_pending)
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, float]] = {}
+        self._enqueued: dict[int, float] = {}  # loop thread only
+        self._next = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._started = time.perf_counter()
+        if not coordinator._serving.acquire(blocking=False):
+            raise RuntimeError("stream: this coordinator is already running a loop (a stream or a generate call)")
+        self._thread = threading.Thread(target=self._run, name="raysd-request-stream", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished (queued or in a micro-batch)."""
+        return len(self._pending)
+
+    def submit(self, request: Request) -> Future:
+        future: Future = Future()
+        c = self.coordinator
+        error = request_error(request, c.vocab_size, c.max_model_len)
+        if error:  # refused before it takes a slot, as in `generate`
+            stats = SpecDecodeStats(c.config.num_speculative_tokens)
+            future.set_result(StreamedResult(GenerationResult(request.request_id, list(request.prompt_token_ids), [],
+                                                              "error", stats, error), 0.0))
+            return future
+        while not self._room.acquire(timeout=0.2):  # backpressure: wait for a request to finish
+            self._check()
+        try:
+            with self._lock:
+                self._check()
+                i, self._next = self._next, self._next + 1
+                now = time.perf_counter()
+                self._pending[i] = (future, now)
+                self._inbox.put((i, request, now))
+        except BaseException:
+            self._room.release()
+            raise
+        return future
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the generation loop failed: {type(self._error).__name__}: {self._error}") from self._error
+        if self._closed:
+            raise RuntimeError("the request stream is closed")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what was submitted, then end the loop."""
+        with self._lock:
+            self._closed = True
+        self._inbox.put(None)  # wakes an idle loop
+        self._thread.join(timeout)
+
+    def totals(self) -> dict:
+        r = self.report
+        return {"wall_s": time.perf_counter() - self._started, "draft_busy_s": r.draft_busy_s,
+                "target_busy_s": r.target_busy_s, "steps": r.steps, "active_rows": r.active_rows,
+                "slots": r.slots, "queue_wait_s": r.queue_wait_s, "idle_s": r.idle_s,
+                "recoveries": r.recoveries + r.recoveries_done, "generated_tokens": r.generated_tokens}
+
+    # The loop thread.
+
+    def _run(self) -> None:
+        try:
+            self.coordinator._serve(deque(), _Deliveries(self), self.report, self._enqueued, refill=self._refill)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            self._error = exc
+        finally:
+            with self._lock:
+                self._closed = True
+                left = list(self._pending.values())
+                self._pending.clear()
+            self.coordinator._serving.release()
+            error = self._error or RuntimeError("the request stream was closed before the request finished")
+            for future, _ in left:
+                if not future.done():
+                    future.set_exception(error)
+
+    def _refill(self, waiting: deque, idle: bool) -> None:
+        block = idle
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block and not self._closed:
+                    continue
+                return
+            if item is None:  # close(): end once idle
+                block = False
+                continue
+            i, request, submitted = item
+            self._enqueued[i] = submitted
+            waiting.append((i, request))
+            block = False
+
+    def _deliver(self, i: int, result: GenerationResult) -> None:
+        with self._lock:
+            future, submitted = self._pending.pop(i)
+        self._room.release()
+        future.set_result(StreamedResult(result, time.perf_counter() - submitted))

@@ -146,10 +146,20 @@ class VerifyResult:
 
 
 class DraftActor:
-    def __init__(self, spec: DrafterSpec, target_vocab_size: int, measure_bytes: bool = True):
+    """`target_vocab_size`: an int, or the name of the (named) target actor, which the draft asks
+    once its own model has loaded (so both load in parallel), and asks again after a restart.
+    A name travels inline with the constructor call; an ObjectRef or an actor handle would make
+    Ray keep the argument in the object store, where it cannot guarantee it for a restart
+    (ray-project/ray#53727)."""
+
+    def __init__(self, spec: DrafterSpec, target_vocab_size, measure_bytes: bool = True):
         self.spec, self.measure_bytes = spec, measure_bytes
         self.device = assigned_device()
         self.model = spec.model_factory().to(self.device).eval() if spec.model_factory else None
+        if isinstance(target_vocab_size, str):  # the target actor's name
+            import ray
+
+            target_vocab_size = ray.get(ray.get_actor(target_vocab_size).get_vocab_size.remote())
         self.target_vocab_size = target_vocab_size
         self.store = _MicroBatchStore(lambda: spec.build(self.model, target_vocab_size, self.device))
 

@@ -27,7 +27,12 @@ from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
 from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS
 
 ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be used; dropped before the output
-_IN_FLIGHT_PER_REPLICA = 2  # batches queued on each generation actor: one running, one waiting
+# Blocks inside each generation actor at once (threads of the actor, `max_concurrent_calls_per_actor`).
+# They all feed the replica's one RequestStream, so while the last rows of one block finish, rows of
+# the next take the freed slots: with --batch-size slots, two blocks keep the micro-batches full and a
+# third is being tokenised. The stream holds at most this many blocks' rows (bounded memory).
+CONCURRENT_BLOCKS_PER_REPLICA = 3
+_IN_FLIGHT_PER_REPLICA = 2 * CONCURRENT_BLOCKS_PER_REPLICA  # blocks queued on each actor, running ones included
 
 
 @ray.remote(num_cpus=0)
@@ -40,6 +45,7 @@ class JobStats:
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.claimed: set[str] = set()
 
     def add(self, **counts: float) -> None:
         for k, v in counts.items():
@@ -47,6 +53,13 @@ class JobStats:
 
     def get(self) -> dict:
         return dict(self.totals)
+
+    def claim(self, name: str) -> bool:
+        """True the first time `name` is claimed in this job, False after: a stage that must run
+        once per job (AssignIds) refuses to start a second time."""
+        first = name not in self.claimed
+        self.claimed.add(name)
+        return first
 
 
 def _report(stats, **counts) -> None:
@@ -78,6 +91,10 @@ def internal_schema(input_schema: pa.Schema, id_column: str) -> pa.Schema:
     return pa.schema([*fields, pa.field(ID_ERROR, pa.string())])
 
 
+ID_STAGE_RESTARTED = ("the id stage (AssignIds) was started a second time in this job (its actor died); its ids "
+                      "would restart from 0, so the job stops here. Run the same command again: it resumes.")
+
+
 class AssignIds:
     """The id stage: ONE actor (concurrency 1, one task in flight) under preserve_order, so it
     sees the blocks in input order.
@@ -90,6 +107,14 @@ class AssignIds:
     """
 
     def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None):
+        # Never a second instance in a job: a restarted (or replacement) actor would count positions
+        # from 0 again and forget the ids seen, giving rows wrong ids or missing duplicates. Its
+        # constructor fails instead, which fails the job; a re-run resumes exactly once.
+        if stats is not None:
+            if not ray.get(stats.claim.remote("AssignIds")):
+                raise RuntimeError(ID_STAGE_RESTARTED)
+        elif ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+            raise RuntimeError(ID_STAGE_RESTARTED)
         self.id_column, self.make_ids, self.schema, self.stats = id_column, make_ids, schema, stats
         self.done = set(done)
         self.seen: set = set()
@@ -146,25 +171,40 @@ def _rows_of(batch: pa.Table) -> tuple[list[dict], dict[int, str]]:
 class GenerateReplica:
     """The generation stage's callable class: Ray Data runs `--replicas` of these as a fixed
     actor pool. Each owns one `GenerationReplica` (a SpecCoordinator: a draft and a target
-    actor in a placement group, plus the tokenizer), created at its first batch with rows
-    to generate, so a job with nothing left to do loads no model.
+    actor in a placement group, plus the tokenizer, plus the RequestStream that keeps its
+    micro-batches full), created at its first batch with rows to generate, so a job with
+    nothing left to do loads no model.
 
-    A batch of rows in, the same rows out in the same order, in the output schema: the id,
-    the input's other columns passed through, the generated columns (error rows for bad rows).
+    Ray Data runs up to CONCURRENT_BLOCKS_PER_REPLICA calls at once on each actor (threads);
+    their rows share the replica's micro-batches. A batch of rows in, the same rows out in the
+    same order, in the output schema: the id, the input's other columns passed through, the
+    generated columns (error rows for bad rows).
     """
 
     def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None):
+        import threading
+
         self.cfg, self.schema, self.json_columns, self.stats = cfg, schema, json_columns, stats
         self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
         self.replica = None
+        self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
         self.tag = ray.get_runtime_context().get_actor_id()[-8:] if ray.is_initialized() else "0"
 
     def _value(self, row: dict, name: str):
         value = row.get(name)
         return decode_json_value(value) if name in self.json_columns else value
 
+    def _get_replica(self):
+        from raysd.jobs.replica import GenerationReplica
+
+        with self._replica_lock:
+            if self.replica is None:
+                self.replica = GenerationReplica(self.cfg, self.tag,
+                                                 max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
+            return self.replica
+
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from raysd.jobs.replica import GenerationReplica, error_output
+        from raysd.jobs.replica import error_output
 
         cfg = self.cfg
         rows, bad = _rows_of(batch)
@@ -181,16 +221,14 @@ class GenerateReplica:
                             **{c: self._value(row, c) for c in OVERRIDE_COLUMNS if c in row}})
             index.append(i)
         if payload:
-            if self.replica is None:
-                self.replica = GenerationReplica(cfg, self.tag)
-            generated, report = self.replica.generate(payload)
+            generated, report = self._get_replica().generate(payload)
             for i, out in zip(index, generated):
                 outputs[i] = out
-            _report(self.stats, rows_generated=len(generated), draft_busy_s=report["draft_busy_s"],
-                    target_busy_s=report["target_busy_s"], wall_s=report["wall_s"],
+            _report(self.stats, rows_generated=len(generated),
                     tokens=sum(o["num_generated_tokens"] for o in generated),
                     drafted=sum(o["num_draft_tokens"] for o in generated),
-                    accepted=sum(o["num_accepted_draft_tokens"] for o in generated))
+                    accepted=sum(o["num_accepted_draft_tokens"] for o in generated),
+                    **stage_counts(report))
         records = []
         for row, out in zip(rows, outputs):
             record = {cfg.id_column: row[cfg.id_column]}
@@ -208,6 +246,49 @@ class GenerateReplica:
                 replica.shutdown()
             except Exception:  # noqa: BLE001 - the actor is going away; its children die with it
                 pass
+
+
+def stage_counts(report: dict) -> dict:
+    """JobStats counts from a replica call's report (GenerationReplica.generate)."""
+    return {
+        "tokenize_s": report["tokenize_s"], "detokenize_s": report["detokenize_s"],
+        "queue_wait_s": report["queue_wait_s"], "draft_busy_s": report["draft_busy_s"],
+        "target_busy_s": report["target_busy_s"], "wall_s": report["wall_s"], "engine_idle_s": report["idle_s"],
+        "active_rows": report["active_rows"], "slot_steps": report["steps"] * report["slots"],
+        "engine_steps": report["steps"], "recoveries": report["recoveries"],
+    }
+
+
+# Where a job's time goes, from JobStats totals: (summary key, JobStats key), in pipeline order.
+# Each is summed over blocks or rows, over every replica: stages overlap, so they do not add up to
+# the wall time. draft/verify: inside the model actors' step methods.
+STAGE_SECONDS = (("read", "read_s"), ("tokenize", "tokenize_s"), ("queue_wait", "queue_wait_s"),
+                 ("draft", "draft_busy_s"), ("verify", "target_busy_s"), ("detokenize", "detokenize_s"),
+                 ("write", "write_s"))
+
+
+def time_breakdown(totals: dict) -> dict:
+    """{stage: seconds} (STAGE_SECONDS) plus `occupancy`: mean rows in the micro-batches over the
+    engine steps / the replica's slots (None before the first step), from JobStats totals."""
+    out = {name: round(float(totals.get(key, 0.0)), 3) for name, key in STAGE_SECONDS}
+    out["engine_idle"] = round(float(totals.get("engine_idle_s", 0.0)), 3)
+    out["occupancy"] = occupancy(totals)
+    return out
+
+
+def occupancy(totals: dict) -> float | None:
+    slot_steps = totals.get("slot_steps", 0)
+    return round(totals.get("active_rows", 0) / slot_steps, 4) if slot_steps else None
+
+
+def breakdown_text(totals: dict) -> str:
+    """The progress line's tail: occupancy and the stage seconds, e.g.
+    `; occupancy 0.93; s: read 0.1 tokenize 0.4 queue_wait 3.2 draft 1.0 verify 9.8 detokenize 0.2 write 0.3`."""
+    occ = occupancy(totals)
+    if occ is None:
+        return ""
+    stages = " ".join(f"{name} {float(totals.get(key, 0.0)):.1f}" for name, key in STAGE_SECONDS)
+    return f"; occupancy {'n/a' if occ is None else format(occ, '.2f')}; s: {stages}"
 
 
 def block_totals(table: pa.Table) -> dict:
@@ -263,9 +344,10 @@ class PartsSink(Datasink):
         table = conform(pa.concat_tables(tables), self.schema)
         index = ctx.task_idx if ctx is not None else uuid.uuid4().hex[:8]
         name = f"part-{self.run_id}-{index:06d}.parquet" if isinstance(index, int) else f"part-{self.run_id}-{index}.parquet"
+        start = time.perf_counter()
         OutputStore(self.url).write_part(table, name)
         totals = block_totals(table)
-        _report(self.stats, rows_written=totals["rows"])
+        _report(self.stats, rows_written=totals["rows"], write_s=time.perf_counter() - start)
         return totals
 
     def on_write_complete(self, write_result) -> None:
@@ -289,10 +371,10 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
         num_cpus=0,
-        # Never restarted: a new actor would start from position 0 with no ids seen, and give rows
-        # wrong ids or miss duplicates. Its death fails the job instead; a re-run resumes exactly once.
-        # (Ray 2.60 takes this only as a ray_remote_args entry, which warns of removal in 2.64.)
-        max_restarts=0,
+        # Never restarted: a new actor would start from position 0 with no ids seen. Ray 2.60 takes
+        # max_restarts only as a deprecated ray_remote_args entry (removed in 2.64), so the stage
+        # keeps Ray Data's default restarts and refuses a second start itself (AssignIds.__init__):
+        # its death fails the job, and a re-run resumes exactly once.
     )
     # Blocks of --batch-size rows (streaming, no shuffle): one generation task each, spread over the
     # replicas, whatever the input's files and block sizes are.
@@ -302,7 +384,10 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
         fn_constructor_args=(cfg, schema, source.json_columns, stats),
         batch_format="pyarrow",
         batch_size=cfg.batch_size,
-        compute=ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=_IN_FLIGHT_PER_REPLICA),
+        # Several blocks inside each actor at once (threads), feeding its one stream: see GenerateReplica.
+        compute=ActorPoolStrategy(size=cfg.replicas, max_tasks_in_flight_per_actor=_IN_FLIGHT_PER_REPLICA,
+                                  max_concurrent_calls_per_actor=CONCURRENT_BLOCKS_PER_REPLICA,
+                                  enable_true_multi_threading=True),
         num_cpus=0,  # the model actors (in the coordinator's placement group) hold the CPUs/GPUs
         udf_modifying_row_count=False,
     )

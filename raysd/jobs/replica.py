@@ -191,7 +191,7 @@ class GenerationReplica:
     Ray Data runs one per actor of the generation stage (`raysd.jobs.pipeline.GenerateReplica`).
     """
 
-    def __init__(self, cfg: GenerateConfig, replica: int | str = 0):
+    def __init__(self, cfg: GenerateConfig, replica: int | str = 0, max_pending: int | None = None):
         from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
         from raysd.models.loading import ModelSpec, load_model, load_tokenizer
 
@@ -249,47 +249,77 @@ class GenerationReplica:
             adaptive = AdaptiveConfig(costs, overlapped=ccfg.num_micro_batches > 1)
         self.coordinator.config = dataclasses.replace(self.coordinator.config, eos_token_ids=eos, adaptive=adaptive)
         self.metrics = _Metrics(cfg, replica)
+        # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
+        # block take slots as soon as rows of the last one free them. Bounded: by default three
+        # batches' rows queued or running (the Ray Data stage keeps about that many blocks inside).
+        self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
+        self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
+        self._reported: dict = {}
+        self._report_lock = threading.Lock()
 
     def ready(self) -> dict:
         return {"vocab_size": self.coordinator.vocab_size, "has_tokenizer": self.tokenizer is not None,
                 "eos_token_ids": list(self.coordinator.config.eos_token_ids)}
 
     def shutdown(self) -> None:
-        self.coordinator.shutdown()
+        try:
+            self.stream.close(timeout=5)
+        finally:
+            self.coordinator.shutdown()
 
     def generate(self, rows: list[dict]) -> tuple[list[dict], dict]:
-        """Output columns (schema.GENERATED_FIELDS) for each row, in order, and the batch's report.
+        """Output columns (schema.GENERATED_FIELDS) for each row, in order, and the call's report.
 
         A row holds `id`, `prompt` and optionally `max_new_tokens`, `temperature`, `seed`.
+        Thread-safe: concurrent calls feed the same stream, so their rows share the micro-batches.
+        The report: this call's tokenise and detokenise seconds, and the stream's totals since the
+        last report of any call (busy times, steps, occupancy sums, queue wait), so that summing
+        the reports of every call counts each second once.
         """
         from raysd.engine.rows import Request
 
         cfg = self.cfg
         outputs: list[dict | None] = [None] * len(rows)
-        requests, index, seeds = [], [], {}
+        futures, index, seeds = [], [], {}
+        t0 = time.perf_counter()
+        tokenize_s = 0.0
         for i, row in enumerate(rows):
             params, seed, error = row_params(row, cfg)
             seeds[i] = seed
             ids = None
             if error is None:
+                t = time.perf_counter()
                 ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
+                tokenize_s += time.perf_counter() - t
             if error is not None:
                 outputs[i] = self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0)
                 continue
-            requests.append(Request(i, ids, params))
+            futures.append(self.stream.submit(Request(i, ids, params)))  # blocks while the stream is full
             index.append(i)
-        start = time.perf_counter()
-        report = {"wall_s": 0.0, "draft_busy_s": 0.0, "target_busy_s": 0.0, "steps": 0, "recoveries": 0}
-        if requests:
-            run = self.coordinator.generate(requests)
-            wall = time.perf_counter() - start
-            r = run.report
-            report.update(wall_s=r.wall_s, draft_busy_s=r.draft_busy_s, target_busy_s=r.target_busy_s, steps=r.steps, recoveries=r.recoveries)
-            for i, res in zip(index, run.results):
-                outputs[i] = self._row(res.prompt_token_ids, res.token_ids, res.finish_reason, res.stats, res.error, seeds[i], wall)
+        submit_s = time.perf_counter() - t0
+        detokenize_s = 0.0
+        for i, future in zip(index, futures):
+            done = future.result()  # raises if the loop failed
+            res = done.result
+            t = time.perf_counter()
+            outputs[i] = self._row(res.prompt_token_ids, res.token_ids, res.finish_reason, res.stats, res.error,
+                                   seeds[i], done.latency_s)
+            detokenize_s += time.perf_counter() - t
         for out in outputs:
             self.metrics.observe(out)
+        report = {"tokenize_s": tokenize_s, "detokenize_s": detokenize_s, "submit_s": submit_s, **self._stream_delta()}
         return outputs, report
+
+    def _stream_delta(self) -> dict:
+        """The stream's totals since the last call took them."""
+        with self._report_lock:
+            now = self.stream.totals()
+            delta = {k: now[k] - self._reported.get(k, 0) for k in
+                     ("draft_busy_s", "target_busy_s", "steps", "active_rows", "queue_wait_s", "idle_s", "recoveries", "wall_s")}
+            self._reported = now
+        delta["wall_s"] -= delta["idle_s"]  # the loop's working time: the overlap's denominator
+        delta["slots"] = now["slots"]
+        return delta
 
     def _row(self, prompt_ids, tokens, finish_reason, stats: SpecDecodeStats, error, seed, latency) -> dict:
         text = None

@@ -48,6 +48,8 @@ class JobSummary:
     num_speculative_tokens: int = 0
     replicas: int = 1
     finish_reasons: dict = field(default_factory=dict)  # over the whole output
+    occupancy: float | None = None  # mean rows in the replicas' micro-batches per step / their slots
+    time_breakdown: dict = field(default_factory=dict)  # seconds per stage, summed (raysd.jobs.pipeline.time_breakdown)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,7 +63,7 @@ class JobSummary:
             f"{self.rows_skipped} already there, {self.rows_failed} errors); "
             f"{self.generated_tokens} tokens in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tok/s; "
             f"acceptance rate {f(self.draft_acceptance_rate)}, mean acceptance length {f(self.mean_acceptance_length)}, "
-            f"overlap efficiency {f(self.overlap_efficiency, '.2f')}"
+            f"overlap efficiency {f(self.overlap_efficiency, '.2f')}, occupancy {f(self.occupancy, '.2f')}"
         )
 
 
@@ -148,7 +150,13 @@ def progress_text(t: dict, elapsed: float) -> str:
     rate = f"{t['accepted'] / t['drafted']:.3f}" if t.get("drafted") else "n/a"
     return (f"raysd generate: {int(t.get('rows_generated', 0))} rows generated, {int(t.get('rows_written', 0))} written, "
             f"{int(t.get('rows_skipped', 0))} already there; {t.get('tokens', 0) / max(elapsed, 1e-9):.1f} tok/s, "
-            f"acceptance {rate}")
+            f"acceptance {rate}" + _breakdown_text(t))
+
+
+def _breakdown_text(t: dict) -> str:
+    from raysd.jobs.pipeline import breakdown_text  # occupancy and seconds per stage, once a step ran
+
+    return breakdown_text(t)
 
 
 class _Progress:
@@ -226,6 +234,8 @@ def generate(cfg: GenerateConfig) -> JobSummary:
 
 
 def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, wall: float) -> JobSummary:
+    from raysd.jobs.pipeline import occupancy, time_breakdown
+
     shorter = min(live.get("draft_busy_s", 0.0), live.get("target_busy_s", 0.0))
     overlap = (live["draft_busy_s"] + live["target_busy_s"] - live["wall_s"]) / shorter if shorter > 0 else None
     rows, reasons = store.value_counts("finish_reason")
@@ -246,4 +256,6 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         num_speculative_tokens=cfg.effective_num_speculative_tokens,
         replicas=cfg.replicas,
         finish_reasons=reasons,
+        occupancy=occupancy(live),
+        time_breakdown=time_breakdown(live),
     )
