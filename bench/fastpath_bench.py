@@ -13,7 +13,7 @@ number of tokens. Variants interleaved within each repeat; medians over repeats.
    goal >= 90% of the prediction.
 
     python bench/fastpath_bench.py                    # the documented run (docs/benchmarks.md)
-    python bench/fastpath_bench.py --quick            # smoke test
+    python bench/fastpath_bench.py --quick            # smoke test (not a measurement)
     python bench/fastpath_bench.py --runner dynamic   # the Hugging Face DynamicCache runner instead
 """
 
@@ -40,7 +40,7 @@ from raysd.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_m
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--per-task", type=int, default=2, help="Spec-Bench prompts per task (6 tasks)")
+    p.add_argument("--rounds", type=int, default=2, help="prompts per batch size: max(8, rounds x B), round-robin over the 6 tasks")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--k", type=int, default=3, help="K for the draft-model variant")
@@ -52,7 +52,7 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="6 prompts, 8 tokens, 1 repeat, batch 1 and 2")
     a = p.parse_args()
     if a.quick:
-        a.per_task, a.max_new_tokens, a.repeats, a.batch_sizes = 1, 8, 1, "1,2"
+        a.rounds, a.max_new_tokens, a.repeats, a.batch_sizes = 1, 8, 1, "1,2"
         a.out = str(Path(a.out).with_name("fastpath_bench_quick.json"))
     a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     return a
@@ -143,10 +143,12 @@ def main():
     clock = ForwardClock(target, draft)
     tok = load_tokenizer(DEFAULT_MODEL)
     vocab = target.get_output_embeddings().weight.shape[0]
-    prompts = load_prompts(tok, a.per_task)
+    count = {b: max(8, a.rounds * b) for b in a.batch_sizes}
+    prompts = load_prompts(tok, -(-max(count.values()) // 6))
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
-    info = {"machine": machine(), "args": vars(a), "num_prompts": len(prompts), "prompt_tokens": [len(p["ids"]) for p in prompts]}
-    print(f"{len(prompts)} prompts; load {loadavg()}", flush=True)
+    info = {"machine": machine(), "args": vars(a), "prompts_per_batch_size": count,
+            "prompt_tokens": [len(p["ids"]) for p in prompts]}
+    print(f"prompts per batch size {count}; load {loadavg()}", flush=True)
 
     variants = {
         "engine AR": lambda b, ps, n: run_engine(target, NoDrafter(vocab), 0, b, ps, n, clock, a.runner),
@@ -162,7 +164,7 @@ def main():
         for b in a.batch_sizes:
             for name, fn in variants.items():
                 la = loadavg()
-                out = fn(b, prompts, a.max_new_tokens)
+                out = fn(b, prompts[: count[b]], a.max_new_tokens)
                 out["loadavg"] = la
                 runs.setdefault((name, b), []).append(out)
                 extra = f" overhead {out['overhead']:.1%}" if "overhead" in out else ""

@@ -207,15 +207,15 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
     """Median time of one runner forward appending `width` tokens to each of `batch` rows that
     hold `context` cached tokens, with logits at all `width` (as the engine asks).
 
-    runner_kind: "dynamic" = ModelRunner (HF DynamicCache, today's engine path); "static" =
-    StaticModelRunner (preallocated, no per-token sync); "graph" = its step captured as a
-    CUDA graph (CudaGraphStep, CUDA only)."""
+    runner_kind: "static" = StaticModelRunner (slots; the engine's default for Llama-family
+    models); "dynamic" = ModelRunner (HF DynamicCache, the other architectures); "graph" = the
+    static step captured as a CUDA graph (CudaGraphStep, CUDA only)."""
     from raysd.models.static_runner import CudaGraphStep, StaticModelRunner
 
     if runner_kind == "dynamic":
         runner = ModelRunner(model)
     else:
-        runner = StaticModelRunner(model, max_cache_len=context + (warmup + reps + 2) * width + 8)
+        runner = StaticModelRunner(model, max_cache_len=context + 2 * width + 8)
     device = runner.device
     g = torch.Generator().manual_seed(seed)
     runner.add_rows(batch)
@@ -238,7 +238,7 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
             timer.samples.clear()
         with timer:
             call()
-        runner.rollback(back)  # untimed: back to `context` tokens (static: columns keep advancing)
+        runner.rollback(back, context)  # untimed: back to `context` tokens
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -438,8 +438,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="generation runs per point (best of)")
     ap.add_argument("--ray", action="store_true", help="also run the Ray coordinator, 1 and 2 micro-batches")
     ap.add_argument("--runners", nargs="+", default=None, choices=["dynamic", "static", "graph"],
-                    help="runners whose step costs are timed (default: dynamic static, + graph on CUDA); "
-                         "the bounds use the first (dynamic: what the engine runs today)")
+                    help="runners whose step costs are timed (default: static dynamic, + graph on CUDA); "
+                         "the bounds use the first (static: what the engine runs for Llama-family models)")
     ap.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default="out/gpu_bench", help="writes <out>.json and <out>.md")
@@ -494,7 +494,7 @@ def main(argv=None) -> int:
     env["transformers"] = transformers.__version__
     print(f"# {env}", flush=True)
 
-    runners = args.runners or (["dynamic", "static"] + (["graph"] if device.type == "cuda" else []))
+    runners = args.runners or (["static", "dynamic"] + (["graph"] if device.type == "cuda" else []))
     rows: list[Row] = []
     steps = {}
     syncs = {}
