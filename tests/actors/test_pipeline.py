@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from scipy import stats
 
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
@@ -21,6 +20,7 @@ from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
 from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
+from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -156,8 +156,7 @@ def test_top_m_draft_keeps_the_target_distribution():
     first = np.bincount([r.token_ids[0] for r in out.results], minlength=V)
     assert sum(r.stats.num_draft_tokens for r in out.results) == n  # every row's first token was a draft
     assert sum(r.stats.num_accepted_draft_tokens for r in out.results) < n  # and some were rejected
-    chi = stats.chisquare(first, p / p.sum() * n)
-    assert chi.pvalue > 1e-3, (first, p * n)
+    assert chi_square_pvalue(first, p) > 1e-4, (first, p * n)  # cells expecting < 5 pooled
     # Exactness through the truncating wrapper: same tokens as the engine with it.
     drafter = DraftModelDrafter(tiny_model("llama", 4, vocab=V), V, draft_top_m=m)
     engine = SpecEngine(target, drafter, EngineConfig(1, 64, (EOS,))).generate(reqs[:200])

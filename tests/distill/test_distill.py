@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 from raysd.distill.data import (head_vocabulary, load_teacher_data, merge_teacher_meta, read_prompts, save_teacher_data,
@@ -20,6 +19,7 @@ from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
 from raysd.models.loading import ModelSpec, load_model
+from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, tiny_model
 from tests.distill.helpers import peaked, random_prompts, teacher_examples
 
@@ -134,7 +134,7 @@ def test_sampled_first_token_follows_the_target():
     expected = p.double().numpy() * N
     assert (counts[expected == 0] == 0).all()
     assert counts[10:].sum() > 0  # tokens the draft can never propose still come out, via the residual
-    assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 1e-3
+    assert chi_square_pvalue(counts, expected) > 1e-4  # cells expecting < 5 pooled
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
