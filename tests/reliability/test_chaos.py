@@ -80,18 +80,42 @@ def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
 
 def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
     """A restarted id actor would count positions from 0 again and forget the ids it has seen
-    (wrong ids, missed duplicates). So its death fails the job, and a re-run resumes exactly once
-    (test_kill_driver_mid_job_then_rerun), instead of Ray Data's default restart and retry."""
-    from raysd.jobs.pipeline import build_dataset
+    (wrong ids, missed duplicates). So a second start of the stage in one job fails in its
+    constructor, which fails the job, and a re-run resumes exactly once
+    (test_kill_driver_mid_job_then_rerun). No deprecated `ray_remote_args` (max_restarts) on the way:
+    Ray 2.60 warns that they go in 2.64."""
+    import warnings
+
+    import pyarrow as pa
+    import ray
+
+    from raysd.jobs.pipeline import ID_STAGE_RESTARTED, AssignIds, JobStats, build_dataset
     from raysd.jobs.runner import check_job
 
     inp, _ = job_input
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), draft="ngram")  # ids from positions
     source, _, schema = check_job(cfg)
-    op, ops = build_dataset(source, cfg, schema, set())._logical_plan.dag, {}
+    from ray.util.annotations import RayDeprecationWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = build_dataset(source, cfg, schema, set())
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, RayDeprecationWarning)]
+    assert not deprecated, deprecated  # e.g. "`ray_remote_args` is deprecated and will be removed in Ray 2.64"
+    op, ops = ds._logical_plan.dag, {}
     while op is not None:
         ops[op.name] = op
         op = op.input_dependencies[0] if op.input_dependencies else None
-    ids_args = ops["MapBatches(AssignIds)"].ray_remote_args
-    assert ids_args.get("max_restarts") == 0 and not ids_args.get("max_task_retries")
+    assert "max_restarts" not in ops["MapBatches(AssignIds)"].ray_remote_args
     assert "max_restarts" not in ops["MapBatches(GenerateReplica)"].ray_remote_args  # replicas keep restarting
+
+    stats = JobStats.remote()
+    try:
+        ids_schema = pa.schema([pa.field("prompt", pa.string()), pa.field("id", pa.int64()), pa.field("__raysd_id_error", pa.string())])
+        first = AssignIds("id", True, [], ids_schema, stats)
+        assert first(pa.table({"prompt": ["a", "b"]})).column("id").to_pylist() == [0, 1]
+        with pytest.raises(RuntimeError, match="started a second time"):  # a restart or a replacement
+            AssignIds("id", True, [], ids_schema, stats)
+        assert "resumes" in ID_STAGE_RESTARTED
+    finally:
+        ray.kill(stats)
