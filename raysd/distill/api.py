@@ -13,7 +13,7 @@ import torch
 from raysd.distill.data import (encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data,
                                 merge_teacher_meta, read_prompts, save_teacher_data, select_training_prompts,
                                 split_holdout)
-from raysd.distill.draft import CONFIG_FILE, build_draft, load_draft, save_draft
+from raysd.models.layer_draft import CONFIG_FILE, build_draft, load_draft, save_draft
 from raysd.distill.train import TrainConfig, evaluate_loss, train_draft, train_with_ray
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from raysd.distill.data import TeacherExample
-from raysd.distill.draft import head_logits, head_token_ids
+from raysd.models.layer_draft import head_logits, head_token_ids
 
 LOSSES = ("fkl", "tv")
 
@@ -239,7 +239,7 @@ def _ray_train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from raysd.distill.draft import save_draft
+    from raysd.models.layer_draft import save_draft
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -279,7 +279,7 @@ def train_with_ray(
     from ray.train.torch import TorchTrainer
 
     from raysd.actors.local import start_local_ray
-    from raysd.distill.draft import load_own_weights, read_draft_config
+    from raysd.models.layer_draft import load_own_weights, read_draft_config
 
     if not ray.is_initialized():
         start_local_ray()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from raysd.models.loading import DEFAULT_MODEL, _DTYPES
+from raysd.models.loading import DEFAULT_MODEL, NGRAM, NO_DRAFT, _DTYPES  # NGRAM, NO_DRAFT: --draft values naming no model
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
-NGRAM, NO_DRAFT = "ngram", "none"  # --draft values that name no model
 DEFAULT_MAX_NEW_TOKENS = 64
 
 

@@ -1,4 +1,5 @@
-"""A distilled draft: a few decoder layers on top of the target's own embedding and head.
+"""The "layers" draft kind: a few decoder layers on top of the target's own embedding and
+head, trained by `raysd distill` (raysd/distill/), loaded here with the other models.
 
 The draft is the target's architecture with `num_hidden_layers` cut to a few layers
 (hidden size unchanged), so the target's input embedding and output head fit it as
@@ -213,18 +214,14 @@ def read_draft_config(path: str | Path) -> DraftFileConfig:
     return DraftFileConfig(**data)
 
 
-def load_draft(path: str | Path, target=None, dtype: str = "float32", device: str = "cpu"):
+def load_draft(path: str | Path, target, dtype: str = "float32", device: str = "cpu"):
     """Load a distilled draft as a transformers PreTrainedModel, ready for DraftModelDrafter.
 
-    `target`: the target model (already loaded) to take the embedding and head from;
-    by default it is loaded from the name in the draft's config.
+    `target`: the target model (already loaded) to take the embedding and head from
+    (`raysd.models.loading.load_model` loads it from the name in the draft's config).
     """
-    from raysd.models.loading import ModelSpec, load_model
-
     path = Path(path).expanduser()
     cfg = read_draft_config(path)
-    if target is None:
-        target = load_model(ModelSpec(cfg.target))
     if type(target).__name__ != cfg.architecture:
         raise ValueError(f"draft {path} was trained for a {cfg.architecture}, the target is a {type(target).__name__}")
     ids = _read_tensors(path).get("raysd.head_token_ids")

