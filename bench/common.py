@@ -148,3 +148,24 @@ def ngram_step_time(context: torch.Tensor, k: int, vocab: int, reps: int = 7) ->
         d.propose([k] * B, sampling, u)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def hf_generate(target, batch: int, prompts: list[dict], max_new: int, pad: int, eos=(), assistant=None) -> dict:
+    """HF `generate` (greedy) over `prompts` in chunks of `batch`, left-padded with `pad`. With
+    `eos`, a row ends at its first EOS; without, every row makes exactly `max_new` tokens."""
+    tokens, t0 = [], time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        chunk = [p["ids"] for p in prompts[s : s + batch]]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+        stop = {"eos_token_id": list(eos)} if eos else {"min_new_tokens": max_new}
+        extra = {"assistant_model": assistant} if assistant is not None else {}
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                              pad_token_id=pad, **stop, **extra)
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            tokens.append(row[:cut])
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "generated": sum(map(len, tokens))}

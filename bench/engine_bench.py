@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (bf16_copy, context_batch, int8_copy, load_prompts, loadavg, machine, median,  # noqa: E402
+from common import (bf16_copy, context_batch, hf_generate, int8_copy, load_prompts, loadavg, machine, median,  # noqa: E402
                     ngram_step_time, step_time, truncated_copy, weight_dtypes)
 
 from raysd.core.sampling import SamplingParams  # noqa: E402
@@ -76,23 +76,9 @@ def run_engine(target, drafter, k, batch, prompts, max_new, eos):
     }
 
 
-@torch.inference_mode()
 def run_hf(target, batch, prompts, max_new, eos, assistant=None):
     """HF generate over `prompts` in chunks of `batch` (left padding); tokens cut after the first EOS."""
-    tokens, t0 = [], time.perf_counter()
-    for s in range(0, len(prompts), batch):
-        chunk = [p["ids"] for p in prompts[s : s + batch]]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[eos[0]] * (width - len(c)) + c for c in chunk])
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
-        extra = {"assistant_model": assistant} if assistant is not None else {}
-        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                              eos_token_id=list(eos), pad_token_id=eos[0], **extra)
-        for row in out[:, width:].tolist():
-            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            tokens.append(row[:cut])
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "generated": sum(map(len, tokens))}
+    return hf_generate(target, batch, prompts, max_new, eos[0], eos, assistant)
 
 
 def main():
