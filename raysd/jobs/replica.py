@@ -256,6 +256,9 @@ class GenerationReplica:
         self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
         self._reported: dict = {}
         self._report_lock = threading.Lock()
+        # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
+        # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
+        self._tokenizer_lock = threading.Lock()
 
     def ready(self) -> dict:
         return {"vocab_size": self.coordinator.vocab_size, "has_tokenizer": self.tokenizer is not None,
@@ -289,7 +292,8 @@ class GenerationReplica:
             ids = None
             if error is None:
                 t = time.perf_counter()
-                ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
+                with self._tokenizer_lock:
+                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
                 tokenize_s += time.perf_counter() - t
             if error is not None:
                 outputs[i] = self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0)
@@ -324,7 +328,8 @@ class GenerationReplica:
     def _row(self, prompt_ids, tokens, finish_reason, stats: SpecDecodeStats, error, seed, latency) -> dict:
         text = None
         if self.tokenizer is not None and finish_reason != "error":
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            with self._tokenizer_lock:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return {
             "generated_text": text,
             "generated_token_ids": list(tokens),
