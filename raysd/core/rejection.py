@@ -43,6 +43,7 @@ def rejection_sample(
     target_probs: torch.Tensor,  # [B, K + 1, V] target distribution after each prefix
     accept_uniforms: torch.Tensor,  # [B, K] in [0, 1)
     final_uniforms: torch.Tensor,  # [B] in [0, 1), for the recovered or bonus token
+    relax: torch.Tensor | None = None,  # [B] lambda in [0, 1]; None: exact
 ) -> RejectionOutput:
     """Accept each draft token x with probability min(1, target_probs(x) / draft_probs(x)).
 
@@ -50,6 +51,14 @@ def rejection_sample(
     norm(max(0, target_probs[j] - draft_probs[j])); if every draft is accepted the
     bonus token is drawn from target_probs[num_drafts]. Greedy rows pass one-hot
     target_probs, which makes this the exact "accept while draft == argmax" rule.
+
+    `relax` (lossy, off by default): verify against the mixture
+    (1 - lambda) target_probs + lambda draft_probs instead, i.e. accept with probability
+    min(1, (1 - lambda) target_probs(x) / draft_probs(x) + lambda). Its residual is
+    (1 - lambda) max(0, target_probs - draft_probs), the same distribution once normalised,
+    so a drafted position emits exactly the mixture: TV to the target lambda TV(target, draft),
+    rejection probability (1 - lambda) TV. Their sum is TV: Yin et al. 2024's Pareto front
+    (arXiv 2411.00841, Theorems 4-5). The bonus token stays the target's.
     """
     B, K = draft_token_ids.shape
     V = target_probs.shape[-1]
@@ -65,6 +74,9 @@ def rejection_sample(
     index = draft_token_ids.clamp(min=0)[..., None]  # [B, K, 1]
     target_at_draft = target_probs[:, :K].gather(-1, index)[..., 0]  # [B, K]
     draft_at_draft = draft_probs.gather(-1, index)[..., 0]  # [B, K]
+    if relax is not None:  # the mixture's probability at the draft
+        lam = relax[:, None]  # [B, 1]
+        target_at_draft = (1 - lam) * target_at_draft + lam * draft_at_draft  # [B, K]
     # u < target/draft written without the division; a sampled draft has draft_prob > 0.
     accepted = drafted & (accept_uniforms * draft_at_draft < target_at_draft)  # [B, K]
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix

@@ -38,9 +38,15 @@ class EngineConfig:
     # The target's KV cache: "auto" = static slots for Llama-family models, the Hugging Face
     # dynamic cache otherwise (raysd.models.runners). A draft model's runner is its drafter's.
     runner: str = "auto"
+    # "exact" (default), or "relaxed:LAMBDA": verify against (1 - LAMBDA) target + LAMBDA draft
+    # (raysd.core.rejection.rejection_sample; lossy, on Yin et al. 2024's quality-speed front).
+    acceptance: str = "exact"
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        relax = parse_acceptance(self.acceptance)
+        if relax is not None and self.synthetic_acceptance_rate is not None:
+            raise ValueError("synthetic_acceptance_rate and a relaxed acceptance cannot be combined")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.max_batch_size < 1:
@@ -53,6 +59,24 @@ class EngineConfig:
         if self.adaptive is not None and self.adaptive.costs.k_max < self.num_speculative_tokens:
             raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+def parse_acceptance(rule: str) -> float | None:
+    """"exact" -> None; "relaxed:LAMBDA" -> LAMBDA in [0, 1]; anything else is a one-line error."""
+    if rule == "exact":
+        return None
+    kind, _, value = rule.partition(":")
+    try:
+        lam = float(value)
+    except ValueError:
+        lam = float("nan")
+    if kind != "relaxed" or not 0.0 <= lam <= 1.0:
+        raise ValueError(f"acceptance must be 'exact' or 'relaxed:LAMBDA' with LAMBDA in [0, 1], got {rule!r}")
+    return lam
+
+
+class LossyAcceptanceWarning(UserWarning):
+    """Raised (as a warning) whenever an engine verifies with a relaxed acceptance rule."""
 
 
 class SyntheticAcceptanceWarning(UserWarning):
@@ -81,6 +105,14 @@ class SpecEngine:
         self.max_model_len = min(limits)
         self.timings = EngineTimings()
         self.k_controller = KController(config.adaptive) if config.adaptive is not None else None
+        self.relax = parse_acceptance(config.acceptance)
+        if self.relax is not None:
+            warnings.warn(
+                f"RELAXED ACCEPTANCE ({config.acceptance}): outputs do NOT follow the target distribution exactly "
+                f"(total variation {self.relax} x TV(target, draft) at each drafted position)",
+                LossyAcceptanceWarning,
+                stacklevel=2,
+            )
         if config.synthetic_acceptance_rate is not None:
             warnings.warn(
                 f"SYNTHETIC ACCEPTANCE MODE (rate {config.synthetic_acceptance_rate}): drafts are accepted at random, "
@@ -130,6 +162,7 @@ class SpecEngine:
 
     def _flag(self, result: GenerationResult) -> GenerationResult:
         result.synthetic = self.config.synthetic_acceptance_rate is not None
+        result.acceptance = self.config.acceptance
         return result
 
     def step(self, batch: Batch, sampling: SamplingTensors) -> None:
@@ -151,7 +184,7 @@ class SpecEngine:
         # 3. Verify: one target pass over K + 1 positions, the rejection test, one read-back.
         Kp = proposal.draft_token_ids.shape[1]
         rate = self.config.synthetic_acceptance_rate
-        verdict = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate).read_back()
+        verdict = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate, self.relax).read_back()
         t2 = time.perf_counter()
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
         kept = batch.emit(verdict, offered)

@@ -31,6 +31,7 @@ class GenerationResult:
     stats: SpecDecodeStats
     error: str | None = None
     synthetic: bool = False  # synthetic-acceptance mode: tokens do NOT follow the target distribution
+    acceptance: str = "exact"  # the rule that produced the tokens ("exact" or "relaxed:LAMBDA")
 
 
 def request_error(request: Request, vocab_size: int, max_model_len: int) -> str | None:

@@ -75,10 +75,12 @@ class TargetVerifier:
         accept_uniforms: torch.Tensor,  # [B, K]
         final_uniforms: torch.Tensor,  # [B]
         synthetic_acceptance_rate: float | None = None,
+        relax: float | None = None,
     ) -> VerifyOutput:
         """One target forward over each row's last token plus its drafts (K + 1 logits), then
         the rejection test, or, with `synthetic_acceptance_rate`, the synthetic accept rule
-        (see `synthetic_accept`; its output does NOT follow the target distribution)."""
+        (see `synthetic_accept`; its output does NOT follow the target distribution), or with
+        `relax` = lambda the relaxed test (rejection_sample; lossy, lambda TV per position)."""
         ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
         K = ids.shape[1]
         host = proposal.num_draft_host
@@ -88,7 +90,8 @@ class TargetVerifier:
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
         target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
         if synthetic_acceptance_rate is None:
-            rejection = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_uniforms, final_uniforms)
+            lam = None if relax is None else torch.full_like(final_uniforms, relax)  # [B]
+            rejection = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_uniforms, final_uniforms, lam)
         else:
             rejection = synthetic_accept(ids, num, target_probs, accept_uniforms, final_uniforms, synthetic_acceptance_rate)
         return VerifyOutput(rejection, draft_target_overlap(proposal.draft_probs, target_probs), num)

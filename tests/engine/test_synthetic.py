@@ -82,3 +82,27 @@ def test_default_is_exact_and_unflagged(recwarn):
 def test_rate_is_validated(bad):
     with pytest.raises(ValueError):
         EngineConfig(synthetic_acceptance_rate=bad)
+
+
+def test_relaxed_acceptance_is_flagged_accepts_more_and_lambda_zero_is_exact():
+    from raysd.engine.engine import LossyAcceptanceWarning
+
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
+    ps = prompts(seed=3)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=i) for i in range(len(ps))]
+
+    def run(acceptance):
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 8, acceptance=acceptance))
+        return engine.generate([Request(i, p, q) for i, (p, q) in enumerate(zip(ps, params))])
+
+    exact = run("exact")
+    with pytest.warns(LossyAcceptanceWarning):
+        zero = run("relaxed:0")
+    assert [r.token_ids for r in zero] == [r.token_ids for r in exact]
+    with pytest.warns(LossyAcceptanceWarning):
+        loose = run("relaxed:0.8")
+    rate = lambda rs: sum(r.stats.num_accepted_draft_tokens for r in rs) / sum(r.stats.num_draft_tokens for r in rs)  # noqa: E731
+    assert rate(loose) > rate(exact)
+    assert all(r.acceptance == "relaxed:0.8" for r in loose) and all(r.acceptance == "exact" for r in exact)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        EngineConfig(acceptance="relaxed:0.1", synthetic_acceptance_rate=0.5)
