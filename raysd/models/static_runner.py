@@ -154,31 +154,93 @@ class StaticModelRunner:
 
     def _device_step(self, rows: slice, lengths, chunks, chunk_valid, num_logits, n: int, keep: int, width: int):
         """The step itself: device tensors in, device tensors out, no host synchronisation."""
-        B, T = chunks.shape
         positions = lengths[:, None] + chunk_valid.cumsum(dim=1) - 1  # [B, T]
-        trash = self.max_cache_len  # padding writes here; no query reads it
+        write = torch.where(chunk_valid, positions, self.max_cache_len)  # [B, T]; padding writes to the last column
+        cols = torch.arange(width, device=self.device)[None, None, :]  # [1, 1, W]
+        # A real token at position p sees columns <= p (its row's cache, then the chunk's
+        # earlier tokens); padding sees column 0 only, so no attention row is empty.
+        allowed = torch.where(chunk_valid[..., None], cols <= positions[..., None], cols == 0)  # [B, T, W]
+        logits = self._run(rows, chunks, positions, write, allowed, keep, width)  # [B, keep, V]
+        shift = (keep - num_logits)[:, None] + torch.arange(n, device=self.device)  # [B, n]
+        return logits.gather(1, shift.clamp(0, keep - 1)[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def _run(self, rows: slice, chunks, positions, write, allowed, keep: int, width: int) -> torch.Tensor:
+        """One model call: chunk tokens at RoPE `positions`, written at cache columns `write`,
+        query t attending the columns `allowed[:, t]` ([B, T, W]); logits of the last `keep`."""
         cache = self.cache
-        cache.rows, cache.width = rows, width
-        cache.write_columns = torch.where(chunk_valid, positions, trash)  # [B, T]
+        cache.rows, cache.width, cache.write_columns = rows, width, write
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
         out = self._model_call(
             input_ids=chunks,
-            attention_mask=self._mask(positions, chunk_valid, width),
+            attention_mask=self._mask(allowed[:, None]),
             position_ids=positions.clamp(min=0),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=keep,
         )
-        logits = out.logits[:, -keep:, : self.vocab_size].float()  # [B, keep, V]
-        shift = (keep - num_logits)[:, None] + torch.arange(n, device=self.device)  # [B, n]
-        return logits.gather(1, shift.clamp(0, keep - 1)[..., None].expand(-1, -1, logits.shape[-1]))
+        return out.logits[:, -keep:, : self.vocab_size].float()  # [B, keep, V]
 
-    def _mask(self, positions: torch.Tensor, chunk_valid: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, 1, T, W]: a real token at position p sees columns <= p (its row's cache, then the
-        chunk's earlier tokens); padding sees column 0 only, so no attention row is empty."""
+    @torch.inference_mode()
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+        """Append a tree of candidate tokens to every row and return the logits at every node.
+
+        Args:
+            tokens: [B, T] token ids; node t of row b is tokens[b, t].
+            parents: [B, T] int64 chunk-local parent (-1: the row's last cached token), parents[b, t] < t.
+            num_nodes: [B] real nodes per row (a prefix of the T).
+        Returns:
+            [B, T, V] float32: logits after each node's path (context, ancestors, the node).
+
+        Node t sits at RoPE position length + depth(t) - 1 and is written at column length + t,
+        so siblings never share a column. The rows' lengths do not move: `keep_path` then keeps
+        one root-to-node path (the accepted branch) and drops the rest, per row.
+        """
+        from raysd.core.tree import tree_attention_mask, tree_depths
+
+        B, T = tokens.shape
+        assert parents.shape == (B, T) and num_nodes.shape == (B,) and B == self.num_rows
+        self._reserve(self._bound + T)
+        width = min(-(-(self._bound + T) // self.width_bucket) * self.width_bucket, self.max_cache_len)
+        lengths = self.lengths  # [B]
+        valid = torch.arange(T, device=self.device)[None, :] < num_nodes[:, None]  # [B, T]
+        positions = lengths[:, None] + tree_depths(parents) - 1  # [B, T]
+        write = torch.where(valid, lengths[:, None] + torch.arange(T, device=self.device), self.max_cache_len)  # [B, T]
         cols = torch.arange(width, device=self.device)[None, None, :]  # [1, 1, W]
-        allowed = torch.where(chunk_valid[..., None], cols <= positions[..., None], cols == 0)  # [B, T, W]
-        allowed = allowed[:, None]  # [B, 1, T, W]
+        rel = cols - lengths[:, None, None]  # [B, 1, W] column -> node index
+        ancestors = tree_attention_mask(parents)  # [B, T, T]
+        in_tree = (rel >= 0) & (rel < T) & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, width))  # [B, T, W]
+        allowed = torch.where(valid[..., None], (rel < 0) | in_tree, cols == 0)  # [B, T, W]
+        logits = self._run(slice(0, B), tokens, positions, write, allowed, T, width)
+        self._bound += T
+        return logits
+
+    @torch.inference_mode()
+    def keep_path(self, nodes: torch.Tensor, counts: torch.Tensor, max_length: int | None = None) -> None:
+        """After `forward_tree`: keep each row's accepted branch. nodes [B, D] chunk-local node
+        indices along the path (increasing), counts [B] how many are kept; the branch's
+        keys/values move to the columns right after the row's length, which grows by counts.
+        Only these columns of these rows are copied."""
+        B, D = nodes.shape
+        assert counts.shape == (B,) and B == self.num_rows
+        if D == 0:
+            return
+        lengths = self.lengths
+        j = torch.arange(D, device=self.device)[None, :]  # [1, D]
+        keep = j < counts[:, None]  # [B, D]
+        src = (lengths[:, None] + nodes.clamp(min=0)).clamp(max=self.max_cache_len)  # [B, D]
+        dst = torch.where(keep, lengths[:, None] + j, self.max_cache_len)  # [B, D]
+        for layer in self._layers():
+            for buf in (layer.keys, layer.values):
+                view = buf[: self.num_rows]  # [B, H, L, Dh]
+                idx = lambda c: c[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])  # noqa: E731
+                moved = view.gather(2, idx(src))  # gather every source before any write
+                view.scatter_(2, idx(dst), moved)
+        lengths.add_(counts)
+        if max_length is not None:
+            self._bound = max_length
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The model's 4D mask from `allowed` [B, 1, T, W]: bool for sdpa, additive for eager."""
         if self._additive_mask:
             return torch.zeros(allowed.shape, dtype=self._dtype, device=self.device).masked_fill_(
                 ~allowed, torch.finfo(self._dtype).min)

@@ -199,3 +199,33 @@ def test_torch_compile_of_the_static_runner_matches_eager():
     compiled = run(StaticModelRunner(model, max_cache_len=64, compile=True))
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_tree_of_drafts_in_one_forward_then_one_branch_kept(model):
+    """forward_tree: every node's logits equal an unpadded forward over context + its path;
+    keep_path: the cache then holds exactly context + the kept branch."""
+    rng = random.Random(21)
+    runner = StaticModelRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
+    hist = [random_tokens(rng, n) for n in (5, 2, 7)]
+    runner.add_prefilled(hist)
+    trees = [[-1, -1, 0, 0, 1, 3], [-1, 0, 1], [-1, -1, -1, 2]]  # chunk-local parents, per row
+    T = max(map(len, trees))
+    parents = torch.tensor([t + [-1] * (T - len(t)) for t in trees])
+    tokens = torch.tensor([random_tokens(rng, T) for _ in trees])
+    logits = runner.forward_tree(tokens, parents, torch.tensor([len(t) for t in trees]))
+
+    def path(b, t):
+        return (path(b, trees[b][t]) if trees[b][t] >= 0 else []) + [int(tokens[b, t])]
+
+    for b, tree in enumerate(trees):
+        for t in range(len(tree)):
+            torch.testing.assert_close(logits[b, t], base.reference(model, hist[b] + path(b, t))[-1], atol=1e-5, rtol=0)
+    assert runner.lengths.tolist() == [5, 2, 7]  # nothing kept yet
+    branches = [[0, 3, 5], [0], []]  # row 0: root -> 0 -> 3 -> 5; row 1: node 0 only; row 2: nothing
+    nodes = torch.tensor([br + [-1] * (3 - len(br)) for br in branches])
+    runner.keep_path(nodes, torch.tensor([len(br) for br in branches]))
+    hist = [h + [int(tokens[b, t]) for t in br] for b, (h, br) in enumerate(zip(hist, branches))]
+    assert runner.lengths.tolist() == [len(h) for h in hist]
+    new = [random_tokens(rng, 2) for _ in hist]
+    logits = runner.forward(*right_aligned(new), torch.full((3,), 2), max_logits=2)
+    assert_rows_match(model, logits, [h + n for h, n in zip(hist, new)], [2, 2, 2])
