@@ -33,7 +33,7 @@ class Batch:
         self.ids: list[int] = []  # caller's index of each slot's request
         self.outputs: list[list[int]] = []
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
-        self.prompt_len, self.generated, self.max_new = i64(0), i64(0), i64(0)
+        self.prompt_len, self.generated, self.max_new, self.seeds = i64(0), i64(0), i64(0), i64(0)
         self.stop_ids = np.full((0, 1), -2, dtype=np.int64)  # [B, S] padded with -2 (no token id)
         self.finish = i64(0)  # 0 while running, else LENGTH or STOP
         # Statistics (SpecDecodeStats' fields, one entry per slot).
@@ -66,6 +66,7 @@ class Batch:
         cat = lambda a, new: np.concatenate([a, np.asarray(new, dtype=a.dtype).reshape((n,) + a.shape[1:])])  # noqa: E731
         self.prompt_len = cat(self.prompt_len, [len(r.prompt_token_ids) for r in reqs])
         self.max_new = cat(self.max_new, [r.params.max_new_tokens for r in reqs])
+        self.seeds = cat(self.seeds, [r.params.seed for r in reqs])
         zeros = lambda a: cat(a, np.zeros((n,) + a.shape[1:]))  # noqa: E731
         self.generated, self.finish = zeros(self.generated), zeros(self.finish)
         for name in ("steps", "drafted", "accepted", "tested", "k_sum", "no_draft", "histogram", "per_position", "overlap_sum"):
@@ -77,7 +78,7 @@ class Batch:
         self.requests = [self.requests[i] for i in order]
         self.ids = [self.ids[i] for i in order]
         self.outputs = [self.outputs[i] for i in order]
-        for name in ("prompt_len", "generated", "max_new", "stop_ids", "finish", "steps", "drafted", "accepted",
+        for name in ("prompt_len", "generated", "max_new", "seeds", "stop_ids", "finish", "steps", "drafted", "accepted",
                      "tested", "k_sum", "no_draft", "histogram", "per_position", "overlap_sum"):
             setattr(self, name, getattr(self, name)[idx])
 

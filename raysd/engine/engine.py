@@ -176,7 +176,7 @@ class SpecEngine:
         if self.k_controller is not None:
             k_step = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, offered)
             offered = np.minimum(offered, k_step)
-        uniforms = step_uniforms([r.params.seed for r in batch.requests], batch.generated, K, device)  # [B, 2K + 1]
+        uniforms = step_uniforms(batch.seeds, batch.generated, K, device)  # [B, 2K + 1]
         # 2. Draft: up to offered[b] tokens per row, and the distributions they were drawn from.
         t0 = time.perf_counter()
         proposal = self.drafter.propose(offered.tolist(), sampling, uniforms[:, :K])

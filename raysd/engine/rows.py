@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from raysd.core.draws import counter_uniforms
@@ -115,5 +116,6 @@ def fill_holes(alive: Sequence[bool]) -> list[int]:
 def step_uniforms(seeds: Sequence[int], positions: Sequence[int], K: int, device) -> torch.Tensor:
     """[B, 2K + 1] float64 draws for one step, computed on `device`: K for drafting, K for
     acceptance, 1 for the final token, keyed by each row's seed and tokens generated so far."""
-    keys = torch.tensor([list(seeds), list(positions)], dtype=torch.int64).to(device, non_blocking=True)  # [2, B]
+    keys = torch.as_tensor(np.stack([np.asarray(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64)]))  # [2, B]
+    keys = keys.to(device, non_blocking=True)
     return counter_uniforms(keys[0], keys[1], 2 * K + 1)
