@@ -45,7 +45,8 @@ from raysd.actors.model_actors import (
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.rows import GenerationResult, Request, RowState, request_error, stop_ids_for
+from raysd.engine.rows import GenerationResult, Request, RowState, fill_holes, request_error, stop_ids_for
+from raysd.models.runners import check_runner_kind
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -84,8 +85,10 @@ class CoordinatorConfig:
     # Choose K in 0..num_speculative_tokens each step (raysd.engine.adaptive), e.g. with
     # costs from `profile_step_costs`; None: always num_speculative_tokens.
     adaptive: AdaptiveConfig | None = None
+    runner: str = "auto"  # the target's KV cache (raysd.models.runners); the draft's is DrafterSpec.runner
 
     def __post_init__(self) -> None:
+        check_runner_kind(self.runner)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -149,6 +152,7 @@ class _MicroBatch:
     mb_id: int
     rows: list[tuple[int, RowState]] = field(default_factory=list)  # (request index, row)
     kept: list[list[int]] = field(default_factory=list)  # tokens to commit before the next step
+    accepted: list[int] = field(default_factory=list)  # drafts each row accepted in that step
     keep: list[int] | None = None  # rows to keep before the next step (None: all)
     needs_reset: bool = True  # the actors hold no (valid) state for it
     on_actors: int = 0  # rows the actors hold once kept/keep are applied; the rest are new
@@ -193,7 +197,7 @@ class SpecCoordinator:
         # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
         # Every constructor argument here is small and travels inline.
         target_name = f"raysd-target-{uuid.uuid4().hex}"
-        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(target_factory)
+        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(target_factory, config.runner)
         self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
         self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
         self.vocab_size = self.target_info.vocab_size
@@ -357,6 +361,7 @@ class SpecCoordinator:
         update = MicroBatchUpdate(
             reset=mb.needs_reset,
             kept=tuple(tuple(k) for k in mb.kept),
+            accepted=tuple(mb.accepted) if mb.kept else None,
             keep=None if mb.keep is None else tuple(mb.keep),
             new_rows=tuple((row.request.prompt_token_ids, row.request.params) for row in rows[mb.on_actors :]),
         )
@@ -387,12 +392,12 @@ class SpecCoordinator:
             if self.k_controller is not None:
                 self.k_controller.observe(ov)
             kept.append(row.append(new))
-        keep = [k for k, (_, row) in enumerate(mb.rows) if row.finish_reason is None]
+        keep = fill_holes([row.finish_reason is None for _, row in mb.rows])  # a static cache copies only moved rows
         for i, row in mb.rows:
             if row.finish_reason is not None:
                 results[i] = row.result()
                 report.generated_tokens += len(row.output)
-        mb.kept = kept
+        mb.kept, mb.accepted = kept, list(out.accepted)
         mb.keep = keep if len(keep) < len(mb.rows) else None
         mb.rows = [mb.rows[k] for k in keep]
         mb.on_actors = len(mb.rows)

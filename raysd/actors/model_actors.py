@@ -26,6 +26,7 @@ from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
+from raysd.models.runners import check_runner_kind
 from raysd.models.profile import time_forward
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
@@ -45,8 +46,10 @@ class DrafterSpec:
     min_ngram: int = 1
     max_ngram: int = 3
     probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
+    runner: str = "auto"  # the draft model's KV cache (raysd.models.runners)
 
     def __post_init__(self) -> None:
+        check_runner_kind(self.runner)
         if self.draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {self.draft_top_m}")
         if self.draft_top_m and self.model_factory is None:
@@ -59,17 +62,19 @@ class DrafterSpec:
     def build(self, model: PreTrainedModel | None, target_vocab_size: int, device: torch.device) -> Drafter:
         if model is None:
             return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
-        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m)
+        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner)
 
 
 @dataclass(frozen=True)
 class MicroBatchUpdate:
     """What happened to a micro-batch's rows since its last step, applied before the next:
-    commit `kept` (one list per row of the last step), keep rows `keep` (None: all),
+    commit `kept` (one list per row of the last step, with the drafts each row `accepted`,
+    so the caches roll back without reading the drafts back), keep rows `keep` (None: all),
     then append `new_rows`. `reset` starts from an empty micro-batch instead."""
 
     reset: bool
     kept: tuple[tuple[int, ...], ...] = ()
+    accepted: tuple[int, ...] | None = None
     keep: tuple[int, ...] | None = None
     new_rows: tuple[tuple[tuple[int, ...], SamplingParams], ...] = ()  # (prompt, params)
 
@@ -96,7 +101,7 @@ class _MicroBatchStore:
             raise MicroBatchStateLost(f"no state for micro-batch {mb} in process {os.getpid()}")
         state = self.states[mb]
         if update.kept:
-            state.side.commit([list(k) for k in update.kept])
+            state.side.commit([list(k) for k in update.kept], update.accepted)
         if update.keep is not None:
             state.side.select(list(update.keep))
             state.params = [state.params[i] for i in update.keep]
@@ -192,10 +197,10 @@ class DraftActor:
 
 
 class TargetActor:
-    def __init__(self, model_factory: ModelFactory):
+    def __init__(self, model_factory: ModelFactory, runner: str = "auto"):
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
-        self.store = _MicroBatchStore(lambda: TargetVerifier(self.model))
+        self.store = _MicroBatchStore(lambda: TargetVerifier(self.model, runner))
         self.vocab_size = TargetVerifier(self.model).vocab_size
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:

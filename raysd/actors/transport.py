@@ -77,7 +77,7 @@ def decode_proposal(wire: WireProposal, device: torch.device | str = "cpu") -> P
         index = torch.as_tensor(wire.index.astype(np.int64), device=device)  # [B, K, M]
         value = torch.tensor(wire.value, device=device)  # [B, K, M]
         probs = torch.zeros(B, K, wire.vocab_size, device=device).scatter_(-1, index, value)
-    return Proposal(ids, num, probs)
+    return Proposal(ids, num, probs, tuple(int(n) for n in wire.num_draft_tokens))  # host counts: commit reads nothing back
 
 
 def pickled_nbytes(obj) -> int:

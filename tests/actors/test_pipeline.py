@@ -318,3 +318,22 @@ def test_draft_actor_constructor_args_are_inline():
     warned = [f for f in glob.glob(f"{logs}/python-core-driver-*{os.getpid()}.log")
               if "53727" in open(f, errors="replace").read()]
     assert not warned, warned
+
+
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
+def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner):
+    """The actors on each KV-cache runner: greedy tokens equal the target's own `generate`,
+    seeded samples equal the single-process engine's on the same runner."""
+    prompts = random_prompts(8, seed=6)
+    greedy = requests(prompts[:4], max_new_tokens=12)
+    sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=12))
+               for i, p in enumerate(prompts[4:])]
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
+                            target_resources=CPU, runner=runner)
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner=runner), cfg) as c:
+        out = c.generate(greedy + sampled)
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results[:4]) == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
+    engine = SpecEngine(target, DraftModelDrafter(tiny_model("llama", 1), VOCAB, runner=runner),
+                        EngineConfig(K, 3, (EOS,), runner=runner))
+    assert _tokens(out.results[4:]) == _tokens(engine.generate(sampled))
