@@ -35,7 +35,7 @@ from raysd.core.theory import serial_speedup  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter, NoDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
 from raysd.engine.rows import Request  # noqa: E402
-from raysd.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_model, load_tokenizer  # noqa: E402
+from raysd.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer  # noqa: E402
 
 
 def parse_args():
@@ -117,6 +117,14 @@ def run_engine(target, drafter, k, batch, prompts, max_new, clock: ForwardClock,
     }
 
 
+def same_until_eos(rows, reference, eos) -> bool:
+    for row, ref in zip(rows, reference):
+        n = next((j for j, t in enumerate(row) if t in eos), len(row))
+        if row[:n] != ref[:n]:
+            return False
+    return len(rows) == len(reference)
+
+
 def main():
     a = parse_args()
     torch.manual_seed(0)
@@ -127,6 +135,7 @@ def main():
     clock = ForwardClock(target, draft)
     tok = load_tokenizer(DEFAULT_MODEL)
     vocab = target.get_output_embeddings().weight.shape[0]
+    eos = set(eos_token_ids(target))
     count = {b: max(8, a.rounds * b) for b in a.batch_sizes}
     prompts = load_prompts(tok, -(-max(count.values()) // 6))
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
@@ -159,7 +168,9 @@ def main():
     for b in a.batch_sizes:
         tps = {name: median([x["generated"] / x["wall_s"] for x in runs[(name, b)]]) for name in variants}
         ar, sp, hf = runs[("engine AR", b)], runs[(spec, b)], runs[("HF generate", b)]
-        if ar[0]["tokens"] != hf[0]["tokens"] or sp[0]["tokens"] != hf[0]["tokens"]:
+        # HF's min_new_tokens masks EOS until the last token; the engine's ignore_eos keeps the
+        # target's own argmax, EOS included, and goes on: compare up to a row's first EOS.
+        if not same_until_eos(ar[0]["tokens"], hf[0]["tokens"], eos) or not same_until_eos(sp[0]["tokens"], hf[0]["tokens"], eos):
             mismatches.append(b)
         t1 = median([x["t_target_step"] for x in ar])
         tk1 = median([x["t_target_step"] for x in sp])
