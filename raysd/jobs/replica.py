@@ -18,7 +18,7 @@ from typing import Any
 
 from raysd.core.sampling import SamplingParams
 from raysd.core.stats import SpecDecodeStats
-from raysd.jobs.config import NGRAM, NO_DRAFT, GenerateConfig
+from raysd.jobs.config import GenerateConfig
 
 _MAX_SEED = 2**63 - 1
 

@@ -17,7 +17,6 @@ from raysd.core.sampling import SamplingParams
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
-from raysd.engine.sequences import SequenceState
 from raysd.models.runner import ModelRunner
 from raysd.models.static_runner import CudaGraphStep, StaticModelRunner
 from tests.conftest import EOS, VOCAB
