@@ -117,8 +117,7 @@ class Batch:
         self.tested += verdict.num_tested
         np.add.at(self.histogram, (rows, n_acc), 1)
         self.per_position += np.arange(K)[None, :] < n_acc[:, None]
-        tested = np.arange(verdict.overlaps.shape[1])[None, :] < verdict.num_tested[:, None]
-        self.overlap_sum += np.where(tested, verdict.overlaps, 0.0).sum(axis=1)
+        self.overlap_sum += verdict.overlap_sums()
         return kept
 
     def stats(self, b: int) -> SpecDecodeStats:

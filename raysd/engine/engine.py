@@ -189,8 +189,7 @@ class SpecEngine:
         # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
         kept = batch.emit(verdict, offered)
         if self.k_controller is not None:
-            tested = np.arange(verdict.overlaps.shape[1])[None, :] < verdict.num_tested[:, None]
-            self.k_controller.observe_all(np.where(tested, verdict.overlaps, 0.0).sum(), verdict.num_tested.sum())
+            self.k_controller.observe_all(verdict.overlap_sums().sum(), verdict.num_tested.sum())
         accepted = verdict.num_accepted.tolist()
         self.verifier.commit(kept, accepted)
         self.drafter.commit(kept, accepted)

@@ -26,6 +26,11 @@ class Verdict:
     num_drafted: np.ndarray  # [B] drafts proposed
     overlaps: np.ndarray  # [B, K] float64 sum_x min(target_probs, draft_probs); meaningful below num_tested
 
+    def overlap_sums(self) -> np.ndarray:
+        """[B] the overlaps summed over each row's tested positions."""
+        tested = np.arange(self.overlaps.shape[1])[None, :] < self.num_tested[:, None]  # [B, K]
+        return np.where(tested, self.overlaps, 0.0).sum(axis=1)
+
 
 @dataclass(frozen=True)
 class VerifyOutput:
