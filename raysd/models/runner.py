@@ -120,14 +120,8 @@ class ModelRunner:
         fresh = ModelRunner(self.model, self.vocab_size, self.repack_fraction)
         if with_prefix:
             fresh.add_rows(len(with_prefix))
-            rows = [list(prefixes[i]) for i in with_prefix]
-            width = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.int64)
-            valid = torch.zeros(len(rows), width, dtype=torch.bool)
-            for b, r in enumerate(rows):
-                ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.int64)
-                valid[b, width - len(r) :] = True
-            fresh.forward(ids.to(self.device), valid.to(self.device), torch.ones(len(rows), dtype=torch.int64, device=self.device))
+            ids, valid = right_aligned([prefixes[i] for i in with_prefix], self.device)
+            fresh.forward(ids, valid, torch.ones(len(with_prefix), dtype=torch.int64, device=self.device), 1)
         self.merge(fresh)
         empty = [i for i in range(len(prefixes)) if not len(prefixes[i])]
         self.add_rows(len(empty))
@@ -194,6 +188,18 @@ class ModelRunner:
                 layer.values = layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self.valid = keep[:, L - width :] if index is None else keep.gather(1, index)
         self.lengths = counts
+
+
+def right_aligned(rows: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, W] token ids and validity of `rows` right-aligned (left-padded) to the longest, on `device`."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if len(r):
+            ids[b, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.int64)
+            valid[b, width - len(r) :] = True
+    return ids.to(device), valid.to(device)
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:

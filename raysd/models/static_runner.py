@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.loading import output_vocab_size
+from raysd.models.runner import right_aligned
 
 SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: K + 1, drafting: 1)
 STATIC_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})  # tested: tests/models/test_static_runner.py
@@ -145,7 +146,7 @@ class StaticModelRunner:
         assert chunk_valid.shape == (B, T) and num_logits.shape == (B,) and rows.stop - rows.start == B
         self._reserve(self._bound + T)
         self._bound += T
-        width = min(-(-self._bound // self.width_bucket) * self.width_bucket, self.max_cache_len)
+        width = self._attended(self._bound)
         lengths = self._lengths[rows]  # [B] view
         keep = T if T <= SMALL_CHUNK else n  # logits computed; >= n
         logits = self._device_step(rows, lengths, chunks, chunk_valid, num_logits, n, keep, width)
@@ -200,7 +201,7 @@ class StaticModelRunner:
         B, T = tokens.shape
         assert parents.shape == (B, T) and num_nodes.shape == (B,) and B == self.num_rows
         self._reserve(self._bound + T)
-        width = min(-(-(self._bound + T) // self.width_bucket) * self.width_bucket, self.max_cache_len)
+        width = self._attended(self._bound + T)
         lengths = self.lengths  # [B]
         valid = torch.arange(T, device=self.device)[None, :] < num_nodes[:, None]  # [B, T]
         positions = lengths[:, None] + tree_depths(parents) - 1  # [B, T]
@@ -293,19 +294,18 @@ class StaticModelRunner:
         the new slots only (an empty prefix is an empty row)."""
         start = self.num_rows
         self.add_rows(len(prefixes))
-        width = max((len(p) for p in prefixes), default=0)
+        ids, valid = right_aligned(prefixes, self.device)
+        width = ids.shape[1]
         if width == 0:
             return
-        ids = torch.zeros(len(prefixes), width, dtype=torch.int64)
-        valid = torch.zeros(len(prefixes), width, dtype=torch.bool)
-        for b, p in enumerate(prefixes):
-            if p:
-                ids[b, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.int64)
-                valid[b, width - len(p) :] = True
         ones = torch.ones(len(prefixes), dtype=torch.int64, device=self.device)
         bound = self._bound
-        self._forward(slice(start, self.num_rows), ids.to(self.device), valid.to(self.device), ones, 1)
+        self._forward(slice(start, self.num_rows), ids, valid, ones, 1)
         self._bound = max(bound, width)  # the old rows did not grow
+
+    def _attended(self, columns: int) -> int:
+        """Columns a forward attends: `columns` rounded up to `width_bucket` (fewer shapes), within the buffer."""
+        return min(-(-columns // self.width_bucket) * self.width_bucket, self.max_cache_len)
 
     def _reserve(self, columns: int) -> None:
         """Make room for rows of `columns` tokens (plus the padding column)."""
