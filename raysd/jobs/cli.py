@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from raysd.jobs.config import DEFAULT_DRAFT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET, GenerateConfig, JobError
+from raysd.jobs.config import (DEFAULT_DRAFT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET, PLACEMENT_STRATEGIES, GenerateConfig,
+                               JobError)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replicas", type=int, default=1, help="draft/target actor pairs running in parallel: the generation stage's actor pool (default: 1)")
     r.add_argument("--num-gpus-per-actor", type=float, default=0.0, help="GPUs for each model actor; 0.5 shares one GPU per pair (default: 0)")
     r.add_argument("--num-cpus-per-actor", type=float, default=1.0, help="CPUs for each model actor (default: 1)")
+    r.add_argument("--placement-strategy", default="STRICT_PACK", choices=PLACEMENT_STRATEGIES,
+                   help="where a replica's draft and target actors go: STRICT_PACK (one node, the default), PACK, "
+                        "SPREAD or STRICT_SPREAD (over nodes)")
     r.add_argument("--address", default=None, help="existing Ray cluster (default: the submitted job's cluster, else a local Ray on localhost)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; print only the summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

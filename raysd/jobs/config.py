@@ -12,6 +12,10 @@ DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 DEFAULT_MAX_NEW_TOKENS = 64
+# Where a replica's draft and target actors go (Ray placement group strategies; the coordinator's
+# CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
+# there: checking a config must not import torch.
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 class JobError(Exception):
@@ -42,6 +46,7 @@ class GenerateConfig:
     replicas: int = 1  # draft/target actor pairs running in parallel
     num_gpus_per_actor: float = 0.0
     num_cpus_per_actor: float = 1.0
+    placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
     address: str | None = None  # an existing Ray cluster; None starts a local one
     overwrite: bool = False
@@ -82,6 +87,8 @@ class GenerateConfig:
             self.num_cpus_per_actor > 0 or self.num_gpus_per_actor > 0,
             "--num-cpus-per-actor and --num-gpus-per-actor cannot both be 0",
         )
+        need(self.placement_strategy in PLACEMENT_STRATEGIES,
+             f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
 
     @property

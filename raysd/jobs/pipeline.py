@@ -12,6 +12,7 @@ stage is busy, so memory holds a few batches per stage, not the input.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Iterable
@@ -21,10 +22,13 @@ import pyarrow.compute as pc
 import ray
 from ray.data import ActorPoolStrategy
 from ray.data.datasource import Datasink
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
 from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS
+
+logger = logging.getLogger(__name__)
 
 ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be used; dropped before the output
 # Blocks inside each generation actor at once (threads of the actor, `max_concurrent_calls_per_actor`).
@@ -35,36 +39,108 @@ CONCURRENT_BLOCKS_PER_REPLICA = 3
 _IN_FLIGHT_PER_REPLICA = 2 * CONCURRENT_BLOCKS_PER_REPLICA  # blocks queued on each actor, running ones included
 
 
+# Ray's label every node carries with its own id (Ray Data pins its own per-job actors the same way).
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def driver_node_selector() -> dict[str, str]:
+    """A label selector for the driver's node. What must live as long as the job and cannot be
+    rebuilt elsewhere goes there: losing the driver's node ends the job anyway, so such an actor
+    adds no way for the job to die (a worker node's loss must not end a job, issue 22)."""
+    return {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+
+
 @ray.remote(num_cpus=0)
 class JobStats:
-    """Running totals the stages report to, for the progress line and the summary.
+    """Running totals the stages report to, for the progress line and the summary: counts only.
 
-    Reports are blocking calls (ray.get) from the stages, so once the dataset has run,
-    every report has landed.
+    Reports are blocking calls (ray.get) from the stages, so once the dataset has run, every
+    report has landed. Losing this actor costs counts, never the job: it lives on the driver's
+    node and Ray restarts it there (empty) if its process dies (`start_job_stats`), and a
+    report that cannot land is dropped (`_report`).
     """
 
     def __init__(self):
         self.totals: dict[str, float] = {}
-        self.claimed: set[str] = set()
+        # A restarted instance starts from zero; the summary says its counts are partial.
+        self.restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
     def add(self, **counts: float) -> None:
         for k, v in counts.items():
             self.totals[k] = self.totals.get(k, 0) + v
 
     def get(self) -> dict:
-        return dict(self.totals)
+        return {**self.totals, "stats_restarted": int(self.restarted)} if self.restarted else dict(self.totals)
 
-    def claim(self, name: str) -> bool:
-        """True the first time `name` is claimed in this job, False after: a stage that must run
-        once per job (AssignIds) refuses to start a second time."""
-        first = name not in self.claimed
-        self.claimed.add(name)
-        return first
+
+def start_job_stats():
+    """The job's JobStats actor: on the driver's node, restarted by Ray if its process dies, and
+    its calls retried across that restart (so a report waits for it instead of failing)."""
+    return JobStats.options(label_selector=driver_node_selector(), max_restarts=-1, max_task_retries=-1).remote()
+
+
+# How long a stage waits for its report to land before dropping it (the call may still land later).
+_REPORT_TIMEOUT_S = 60.0
+_dropped_reports = 0  # per process: reports that could not land (counts lost, job unharmed)
 
 
 def _report(stats, **counts) -> None:
-    if stats is not None and any(counts.values()):
-        ray.get(stats.add.remote(**counts))
+    """Add `counts` to the job's totals. Never fails the stage: progress counts are not worth a job.
+    An unreachable JobStats (ActorUnavailableError while its node or process is going, RayActorError
+    once it is gone for good) or a slow one costs these counts only."""
+    global _dropped_reports
+    if stats is None or not any(counts.values()):
+        return
+    try:
+        ray.get(stats.add.remote(**counts), timeout=_REPORT_TIMEOUT_S)
+    except (RayActorError, GetTimeoutError) as exc:  # ActorUnavailableError is a RayActorError
+        _dropped_reports += 1
+        if _dropped_reports == 1:
+            logger.warning("raysd: progress counts dropped, the job's stats actor is unreachable "
+                           "(%s); the job goes on", type(exc).__name__)
+
+
+# Job records in the GCS's internal KV (put-if-absent, survive any actor's loss or restart), under
+# `<job key>/...`: the id stage's claim, each replica's placement group. The runner drops them at the end.
+_JOB_KV = "raysd-jobs"
+
+
+def claim_once(key: str) -> bool:
+    """True the first time `key` is claimed in this Ray cluster, False after."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    return not _internal_kv_put(key, b"1", overwrite=False, namespace=_JOB_KV)
+
+
+def release_job(job_key: str) -> None:
+    """Drop the job's records (end of job)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(f"{job_key}/", del_by_prefix=True, namespace=_JOB_KV)
+
+
+def remember_placement_group(key: str, pg) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, pg.id.hex(), overwrite=True, namespace=_JOB_KV)
+
+
+def remove_remembered_placement_group(key: str) -> bool:
+    """Remove the placement group recorded under `key`, if any: one a previous incarnation of a
+    restarted actor created. True if there was one."""
+    from ray._raylet import PlacementGroupID
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    pg_hex = _internal_kv_get(key, namespace=_JOB_KV)
+    if not pg_hex:
+        return False
+    try:
+        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_hex.decode())))
+    except Exception as exc:  # noqa: BLE001 - already gone (removed, or its job ended)
+        logger.info("raysd: the previous replica's placement group is gone already (%s)", exc)
+    _internal_kv_del(key, namespace=_JOB_KV)
+    return True
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -106,12 +182,14 @@ class AssignIds:
     Memory: the ids already done plus the ids seen this run (ids only, never rows).
     """
 
-    def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None):
+    def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None,
+                 job_key: str | None = None):
         # Never a second instance in a job: a restarted (or replacement) actor would count positions
         # from 0 again and forget the ids seen, giving rows wrong ids or missing duplicates. Its
-        # constructor fails instead, which fails the job; a re-run resumes exactly once.
-        if stats is not None:
-            if not ray.get(stats.claim.remote("AssignIds")):
+        # constructor fails instead, which fails the job; a re-run resumes exactly once. The stage
+        # runs on the driver's node (build_dataset), so only its own process dying can cause that.
+        if job_key is not None:
+            if not claim_once(f"{job_key}/AssignIds"):
                 raise RuntimeError(ID_STAGE_RESTARTED)
         elif ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
             raise RuntimeError(ID_STAGE_RESTARTED)
@@ -181,14 +259,24 @@ class GenerateReplica:
     generated columns (error rows for bad rows).
     """
 
-    def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None):
+    def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None,
+                 job_key: str | None = None):
         import threading
 
         self.cfg, self.schema, self.json_columns, self.stats = cfg, schema, json_columns, stats
         self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
         self.replica = None
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
-        self.tag = ray.get_runtime_context().get_actor_id()[-8:] if ray.is_initialized() else "0"
+        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        self.tag = actor_id[-8:] if actor_id else "0"
+        # Where this actor records its coordinator's placement group. The actor id survives a restart,
+        # so a restarted replica finds the group of its previous incarnation and removes it: that
+        # group's model actors died with their owner, but Ray keeps the group (its creator was
+        # restarted, not gone) and, after a node's loss, even moves it to another node, where it
+        # would hold the CPUs/GPUs the new coordinator needs.
+        self.pg_key = f"{job_key}/pg/{actor_id}" if job_key and actor_id else None
+        if self.pg_key is not None and remove_remembered_placement_group(self.pg_key):
+            logger.warning("raysd: replica %s restarted; removed its previous placement group", self.tag)
 
     def _value(self, row: dict, name: str):
         value = row.get(name)
@@ -201,6 +289,8 @@ class GenerateReplica:
             if self.replica is None:
                 self.replica = GenerationReplica(self.cfg, self.tag,
                                                  max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
+                if self.pg_key is not None:
+                    remember_placement_group(self.pg_key, self.replica.coordinator.placement_group)
             return self.replica
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -411,18 +501,30 @@ def time_reads(ds, stats) -> bool:
         return False
 
 
-def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, stats=None):
-    """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows."""
+# Extra named map_batches options for the generation stage's actors, e.g. {"resources": {...}}: the
+# node-loss tests pin the replicas to a node with a custom resource, so that a replica surely dies
+# with the node and its restart elsewhere is what is tested. Empty in a job.
+GENERATION_STAGE_OPTIONS: dict = {}
+
+
+def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, stats=None, job_key: str | None = None):
+    """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows. `job_key` names
+    the job's records in the GCS (the id stage's claim, the replicas' placement groups); drop them
+    with release_job when the job ends."""
     make_ids = cfg.id_column not in source.schema.names
     ds = source.dataset()
     time_reads(ds, stats)
     ds = ds.map_batches(
         AssignIds,
-        fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats),
+        fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats,
+                             job_key),
         batch_format="pyarrow",
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
         num_cpus=0,
+        # Its state (positions, ids seen) cannot be rebuilt, so it lives where the driver lives:
+        # a worker node's loss never reaches it.
+        label_selector=driver_node_selector(),
         # Never restarted: a new actor would start from position 0 with no ids seen. Ray 2.60 takes
         # max_restarts only as a deprecated ray_remote_args entry (removed in 2.64), so the stage
         # keeps Ray Data's default restarts and refuses a second start itself (AssignIds.__init__):
@@ -433,7 +535,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     ds = ds.map_batches(
         GenerateReplica,
-        fn_constructor_args=(cfg, schema, source.json_columns, stats),
+        fn_constructor_args=(cfg, schema, source.json_columns, stats, job_key),
         batch_format="pyarrow",
         batch_size=cfg.batch_size,
         # Several blocks inside each actor at once (threads), feeding its one stream: see GenerateReplica.
@@ -442,6 +544,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
                                   enable_true_multi_threading=True),
         num_cpus=0,  # the model actors (in the coordinator's placement group) hold the CPUs/GPUs
         udf_modifying_row_count=False,
+        **GENERATION_STAGE_OPTIONS,
     )
     return ds
 

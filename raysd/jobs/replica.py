@@ -227,6 +227,7 @@ class GenerationReplica:
             num_micro_batches=2,
             draft_resources=draft_res,
             target_resources=ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus),
+            placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
         )
         self.coordinator = SpecCoordinator(functools.partial(load_model, target_spec), drafter, ccfg)

@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
@@ -50,6 +51,10 @@ class JobSummary:
     finish_reasons: dict = field(default_factory=dict)  # over the whole output
     occupancy: float | None = None  # mean rows in the replicas' micro-batches per step / their slots
     time_breakdown: dict = field(default_factory=dict)  # seconds per stage, summed (raysd.jobs.pipeline.time_breakdown)
+    # The job's stats actor died (restarted empty, or unreachable at the end): rows_skipped,
+    # overlap_efficiency, occupancy and time_breakdown then cover only part of the run. The rows
+    # and tokens come from the parts written, so they are exact regardless.
+    stats_partial: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,25 +205,26 @@ def generate(cfg: GenerateConfig) -> JobSummary:
 
     import ray
 
-    from raysd.jobs.pipeline import JobStats, PartsSink, build_dataset, write_on_driver
+    from raysd.jobs.pipeline import PartsSink, build_dataset, start_job_stats, write_on_driver
 
     if not cfg.quiet:
         print("raysd generate: starting Ray", file=sys.stderr, flush=True)  # the models load after it
     we_started_ray = _init_ray(cfg)
-    stats = progress = None
+    stats = progress = job_key = None
     result: dict = {}
     try:
-        stats = JobStats.remote()
+        stats = start_job_stats()  # on the driver's node: no worker node's loss takes it (issue 22)
+        job_key = uuid.uuid4().hex  # names the job's records in the GCS (pipeline.release_job)
         sink = PartsSink(cfg.output, schema, cfg.rows_per_file, local=store.local, stats=stats)
 
         def finish(totals: dict) -> None:  # PartsSink.on_write_complete, on the driver
-            result["summary"] = _summary(cfg, store, totals, ray.get(stats.get.remote()), time.perf_counter() - started)
+            result["summary"] = _summary(cfg, store, totals, live_totals(stats), time.perf_counter() - started)
             store.write_summary(result["summary"].to_dict())
 
         sink.finish = finish
         progress = _Progress(stats, started, cfg.quiet)
         with _data_context(cfg.quiet):
-            ds = build_dataset(source, cfg, schema, done, stats)
+            ds = build_dataset(source, cfg, schema, done, stats, job_key)
             if in_process(store.fs):
                 write_on_driver(ds, sink)  # Ray workers cannot see memory://
             else:
@@ -226,11 +232,36 @@ def generate(cfg: GenerateConfig) -> JobSummary:
     finally:
         if progress is not None:
             progress.close()
-        if stats is not None:
-            ray.kill(stats)
+        _release(stats, job_key)
         if we_started_ray:
             ray.shutdown()
     return result["summary"]
+
+
+def live_totals(stats) -> dict:
+    """JobStats' totals for the summary; {} (counts unknown) if the actor cannot answer. The rows
+    and tokens of the summary come from the parts' write results, not from here."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return ray.get(stats.get.remote(), timeout=60)
+    except (RayActorError, GetTimeoutError):  # ActorUnavailableError included
+        return {"stats_lost": 1}
+
+
+def _release(stats, job_key: str | None) -> None:
+    """End of job: the stats actor and the job's records in the GCS. Best effort: the job's outcome
+    is decided."""
+    import ray
+
+    from raysd.jobs.pipeline import release_job
+
+    for step in (lambda: stats is not None and ray.kill(stats), lambda: job_key is not None and release_job(job_key)):
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - e.g. the actor is gone already
+            pass
 
 
 def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, wall: float) -> JobSummary:
@@ -258,4 +289,5 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         finish_reasons=reasons,
         occupancy=occupancy(live),
         time_breakdown=time_breakdown(live),
+        stats_partial=bool(live.get("stats_restarted") or live.get("stats_lost")),
     )

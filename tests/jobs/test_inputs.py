@@ -115,6 +115,12 @@ def test_check_job_catches_problems_before_any_model(tmp_path):
         check_job(GenerateConfig(input=str(tmp_path / "missing.parquet"), output=str(tmp_path / "o")))
     with pytest.raises(JobError, match="top-p"):
         GenerateConfig(input=inp, output="o", top_p=0)
+    with pytest.raises(JobError, match="--placement-strategy must be one of STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"):
+        GenerateConfig(input=inp, output="o", placement_strategy="spread")
+    from raysd.actors.coordinator import STRATEGIES
+    from raysd.jobs.config import PLACEMENT_STRATEGIES
+
+    assert PLACEMENT_STRATEGIES == STRATEGIES  # what the job checks is what the coordinator takes
 
 
 BAD_JOBS = {

@@ -38,6 +38,56 @@ def alive_pids(class_name: str) -> list[int]:
     return sorted(a["Pid"] for a in table.values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["Pid"])
 
 
+def alive_actors(class_name: str) -> list[dict]:
+    """This Ray session's ALIVE actors of a class, from the GCS: Pid, NodeID, NumRestarts."""
+    import ray
+
+    table = ray._private.state.actors()
+    return [{"Pid": a["Pid"], "NodeID": a["Address"]["NodeID"], "NumRestarts": a.get("NumRestarts", 0)}
+            for a in table.values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+
+
+# ---- a simulated multi-node cluster (ray.cluster_utils.Cluster: several raylets on this machine) ----
+
+# The GCS declares a node dead after this many missed health checks: faster than Ray's defaults
+# (so a test does not wait half a minute), not so fast that a pause of a loaded machine reads as a
+# death. Every node gets a small object store: tiny jobs, and /dev/shm is shared with other work.
+NODE_DEATH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                     "health_check_timeout_ms": 2000, "health_check_failure_threshold": 5}
+OBJECT_STORE_BYTES = 100 * 2**20
+
+
+def start_cluster(head_cpus: float):
+    """A head node (this driver's: it connects to it) with `head_cpus` CPUs; add workers with add_worker."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+        "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
+        "_system_config": NODE_DEATH_CHECKS})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    return cluster
+
+
+def add_worker(cluster, num_cpus: float, resources: dict | None = None):
+    node = cluster.add_node(num_cpus=num_cpus, resources=resources or {}, object_store_memory=OBJECT_STORE_BYTES)
+    cluster.wait_for_nodes()
+    return node
+
+
+def lose_node(cluster, node) -> None:
+    """A machine dies: SIGKILL its raylet and every process on it (no graceful shutdown)."""
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def placement_groups() -> list[dict]:
+    """The CREATED placement groups (the replicas' draft/target pairs): bundle index -> node id."""
+    import ray
+
+    return [{"strategy": pg["strategy"], "nodes": dict(pg["bundles_to_node_id"])}
+            for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+
+
 def part_rows(out: Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in sorted(Path(out).glob("part-*.parquet")))
 
@@ -70,29 +120,80 @@ def compare(outcome: Outcome, rows: list[dict], id_column: str, expected: dict) 
     return outcome
 
 
+class JobThread(threading.Thread):
+    """`raysd.jobs.generate(cfg)` in a background thread of this driver (on its connected Ray)."""
+
+    def __init__(self, cfg):
+        super().__init__(daemon=True)
+        self.cfg, self.summary, self.error, self.stats = cfg, None, None, None
+        self.start()
+
+    def run(self) -> None:
+        from raysd.jobs import generate, pipeline
+
+        start_job_stats = pipeline.start_job_stats
+
+        def keep_handle():  # the job's JobStats, so that a fault can wait on its counts
+            self.stats = start_job_stats()
+            return self.stats
+
+        pipeline.start_job_stats = keep_handle
+        try:
+            self.summary = generate(self.cfg)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result() in the test's thread
+            self.error = exc
+        finally:
+            pipeline.start_job_stats = start_job_stats
+
+    def totals(self) -> dict:
+        """The job's JobStats totals so far ({} before it exists or when it cannot answer)."""
+        import ray
+
+        try:
+            return ray.get(self.stats.get.remote(), timeout=30) if self.stats is not None else {}
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return {}
+
+    def rows_generated(self) -> int:
+        return int(self.totals().get("rows_generated", 0))
+
+    def result(self, timeout: float):
+        """The job's summary once it ends; raises what the job raised."""
+        self.join(timeout)
+        assert not self.is_alive(), "the job hung"
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def wait_until(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def wait_for(condition, job: JobThread, what: str, timeout: float = 300) -> None:
+    """Poll `condition()` until true while the job runs (a mid-job fault needs a running job)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.is_alive(), f"the job ended before {what}: {job.error!r}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def kill_actor_mid_job(cfg, fault: str, min_rows_written: int = 1, timeout: float = 300) -> tuple[Outcome, object]:
     """Run `cfg` in a thread; once `min_rows_written` rows are in parts, SIGKILL the fault's process.
 
     Returns (outcome without the comparison, the job's summary). Raises what the job raised.
     """
-    from raysd.jobs import generate
-
     out = Path(cfg.output)
-    box: dict = {}
-
-    def run():
-        try:
-            box["summary"] = generate(cfg)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            box["error"] = exc
-
     start = time.monotonic()
-    job = threading.Thread(target=run, daemon=True)
-    job.start()
+    job = JobThread(cfg)
     outcome = Outcome(fault, rows_in=0)
     victim = VICTIMS[fault]
     while True:
-        assert job.is_alive(), f"the job ended before the {fault} kill: {box}"
+        assert job.is_alive(), f"the job ended before the {fault} kill: {job.error!r}"
         assert time.monotonic() - start < timeout, "no rows written in time"
         pids = alive_pids(victim)
         if pids and part_rows(out) >= min_rows_written:
@@ -105,12 +206,9 @@ def kill_actor_mid_job(cfg, fault: str, min_rows_written: int = 1, timeout: floa
         fresh = [p for p in alive_pids(victim) if p != outcome.killed_pid]
         outcome.restarted_pid = fresh[0] if fresh else None
         time.sleep(0.05)
-    job.join(timeout)
-    assert not job.is_alive(), "the job hung after the kill"
+    summary = job.result(timeout)
     outcome.wall_s = time.monotonic() - start
-    if "error" in box:
-        raise box["error"]
-    return outcome, box["summary"]
+    return outcome, summary
 
 
 _PROGRESS = re.compile(r"(\d+) rows generated, (\d+) written")

@@ -89,7 +89,7 @@ def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
     import pyarrow as pa
     import ray
 
-    from raysd.jobs.pipeline import ID_STAGE_RESTARTED, AssignIds, JobStats, build_dataset
+    from raysd.jobs.pipeline import ID_STAGE_RESTARTED, AssignIds, build_dataset, release_job, start_job_stats
     from raysd.jobs.runner import check_job
 
     inp, _ = job_input
@@ -109,13 +109,57 @@ def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
     assert "max_restarts" not in ops["MapBatches(AssignIds)"].ray_remote_args
     assert "max_restarts" not in ops["MapBatches(GenerateReplica)"].ray_remote_args  # replicas keep restarting
 
-    stats = JobStats.remote()
+    stats = start_job_stats()
+    job_key = "test-id-stage"
     try:
         ids_schema = pa.schema([pa.field("prompt", pa.string()), pa.field("id", pa.int64()), pa.field("__raysd_id_error", pa.string())])
-        first = AssignIds("id", True, [], ids_schema, stats)
+        first = AssignIds("id", True, [], ids_schema, stats, job_key)
         assert first(pa.table({"prompt": ["a", "b"]})).column("id").to_pylist() == [0, 1]
         with pytest.raises(RuntimeError, match="started a second time"):  # a restart or a replacement
-            AssignIds("id", True, [], ids_schema, stats)
+            AssignIds("id", True, [], ids_schema, stats, job_key)
         assert "resumes" in ID_STAGE_RESTARTED
+        # The claim lives in the GCS, not in an actor: losing the stats actor does not forget it.
+        ray.kill(stats, no_restart=True)
+        with pytest.raises(RuntimeError, match="started a second time"):
+            AssignIds("id", True, [], ids_schema, stats, job_key)
     finally:
         ray.kill(stats)
+        release_job(job_key)
+    AssignIds("id", True, [], ids_schema, None, job_key)  # a new job (released key): first start
+    release_job(job_key)
+
+
+def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
+    """JobStats (the progress counts) is the one raysd actor of a job besides the stages. Its loss
+    must never end the job (issue 22): it lives on the driver's node, Ray restarts it if its
+    process dies (empty: the summary says its counts are partial), and a report or a read that
+    cannot reach it is dropped, whether the actor is gone (RayActorError) or unreachable for a
+    moment (ActorUnavailableError, as while its node is being lost)."""
+    import os
+    import signal
+
+    import ray
+
+    from raysd.jobs import pipeline
+    from raysd.jobs.runner import live_totals
+    from tests.reliability.chaos import alive_actors, wait_until
+
+    stats = pipeline.start_job_stats()
+    pipeline._report(stats, rows_generated=4)
+    [actor] = alive_actors("JobStats")
+    assert actor["NodeID"] == ray.get_runtime_context().get_node_id()  # the driver's node
+    os.kill(actor["Pid"], signal.SIGKILL)
+    pipeline._report(stats, rows_generated=2)  # waits for the restart, then lands
+    assert live_totals(stats) == {"rows_generated": 2, "stats_restarted": 1}
+    wait_until(lambda: [a["NumRestarts"] for a in alive_actors("JobStats")] == [1], "the restart recorded")
+
+    ray.kill(stats, no_restart=True)  # gone for good
+    pipeline._report(stats, rows_generated=2)  # dropped, no exception
+    assert live_totals(stats) == {"stats_lost": 1}
+
+    def unavailable(*args, **kwargs):
+        raise ray.exceptions.ActorUnavailableError("its node is being lost", None)
+
+    monkeypatch.setattr(pipeline.ray, "get", unavailable)
+    pipeline._report(stats, rows_generated=2)
+    assert live_totals(stats) == {"stats_lost": 1}

@@ -1,0 +1,148 @@
+"""A job survives the loss of a worker node (issue 22), on a simulated multi-node cluster
+(`ray.cluster_utils.Cluster`: several raylets on this machine; a node is lost by SIGKILLing its
+raylet and everything on it, as when a machine dies).
+
+- Two replicas, one per node (each node has CPUs for exactly one STRICT_PACK draft/target pair);
+  the worker node is lost once the first part is written. A replacement node joins first, as an
+  autoscaler would bring one: the lost replica's pair needs somewhere to go.
+- One replica whose draft and target are on different nodes (`--placement-strategy SPREAD`, each
+  node has CPUs for one of them); the worker node is lost. The head has a CPU to spare, so the lost
+  actor comes back there.
+
+Each time the job finishes by itself with every row exactly once and the greedy tokens of a clean
+run. The job's own actors that cannot be rebuilt (JobStats, the id stage) live on the driver's node,
+which the tests check too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from raysd.core.sampling import SamplingParams
+from raysd.jobs import GenerateConfig
+from tests.jobs.conftest import token_prompts
+from tests.jobs.test_generate import reference
+from tests.reliability.chaos import (VICTIMS, JobThread, Outcome, add_worker, alive_actors, compare, lose_node,
+                                     placement_groups, start_cluster, wait_for)
+from tests.reliability.conftest import read_rows
+
+pytestmark = pytest.mark.slow
+
+N_ROWS, MAX_NEW = 48, 12
+MID_JOB = 8  # rows generated before the node is lost: both replicas are at work, most rows are not done
+ID_STAGE = "MapWorker(MapBatches(AssignIds))"
+REPLICA_HOST = "raysd_test_replica_host"  # a custom node resource: where the replica actors may go
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():  # another module's local Ray: one Ray at a time
+        ray.shutdown()
+    c = start_cluster(head_cpus=2)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory, model_dirs):
+    target, draft, _ = model_dirs
+    root = tmp_path_factory.mktemp("node-loss")
+    prompts = token_prompts(N_ROWS, seed=23)
+    inp = root / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"key": f"k{i:03d}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    ref = reference(target, draft, prompts, [SamplingParams(max_new_tokens=MAX_NEW)] * N_ROWS)
+    return inp, {f"k{i:03d}": toks for i, toks in enumerate(ref)}
+
+
+def _config(inp, out, model_dirs, **kw) -> GenerateConfig:
+    target, draft, _ = model_dirs
+    return GenerateConfig(input=str(inp), output=str(out), id_column="key", target=target, draft=draft,
+                          max_new_tokens=MAX_NEW, batch_size=4, rows_per_file=4, quiet=True, **kw)
+
+
+def _exactly_once(out, expected) -> None:
+    outcome = compare(Outcome("node", N_ROWS), read_rows(out), "key", expected)
+    assert (outcome.rows_out, outcome.lost, outcome.duplicated, outcome.token_mismatches, outcome.error_rows) == \
+        (N_ROWS, 0, 0, 0, 0), outcome
+
+
+def _on_driver_node(head_id: str) -> None:
+    """What cannot be rebuilt elsewhere lives where the driver lives (the id stage's actor may have
+    finished its blocks and gone already)."""
+    stats = [a["NodeID"] for a in alive_actors("JobStats")]
+    assert stats == [head_id], f"JobStats on {stats}, not on the driver's node {head_id}"
+    ids = [a["NodeID"] for a in alive_actors(ID_STAGE)]
+    assert set(ids) <= {head_id}, f"the id stage on {ids}, not on the driver's node {head_id}"
+
+
+def _cleanup(cluster, job, *nodes) -> None:
+    """After a failure the job may still run: let it end before its nodes go (a job thread that
+    outlives the test's Ray would start a Ray of its own)."""
+    if job is not None:
+        job.join(300)
+    for node in nodes:
+        if node is not None and node in cluster.worker_nodes:
+            lose_node(cluster, node)
+
+
+def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, tmp_path, monkeypatch):
+    """Both replica actors (Ray Data's, owning the coordinators) live on the worker, pinned there by
+    a custom resource, with one draft/target pair on each node. The worker dies: both replica
+    actors are restarted on the replacement node, build new coordinators, and the job goes on."""
+    from raysd.jobs import pipeline
+
+    inp, expected = job_input
+    head_id = ray.get_runtime_context().get_node_id()
+    monkeypatch.setattr(pipeline, "GENERATION_STAGE_OPTIONS", {"resources": {REPLICA_HOST: 0.01}})
+    worker = add_worker(cluster, num_cpus=2, resources={REPLICA_HOST: 1})
+    spare = job = None
+    try:
+        cfg = _config(inp, tmp_path / "out", model_dirs, replicas=2)
+        job = JobThread(cfg)
+        wait_for(lambda: len(placement_groups()) == 2 and job.rows_generated() >= MID_JOB, job, "both replicas at work")
+        pair_nodes = sorted(sorted(set(pg["nodes"].values())) for pg in placement_groups())
+        assert pair_nodes == sorted([[head_id], [worker.node_id]]), pair_nodes  # one pair per node
+        _on_driver_node(head_id)
+        replicas = alive_actors(VICTIMS["replica"])
+        assert [a["NodeID"] for a in replicas] == [worker.node_id] * 2, replicas
+        spare = add_worker(cluster, num_cpus=2, resources={REPLICA_HOST: 1})  # the replacement machine
+        generated = job.rows_generated()
+        lose_node(cluster, worker)
+        assert job.is_alive() and generated < N_ROWS, "the job finished before the node was lost: raise N_ROWS"
+        summary = job.result(timeout=400)
+        assert summary.rows == N_ROWS and summary.rows_failed == 0
+        _exactly_once(cfg.output, expected)
+        # Ray 2.60 warns for these actors that their constructor arguments are in the object store
+        # (ray#53727): they are, put there by the driver, on its node, which outlives the worker.
+        # The restarts after the node's loss found them: the job finished on the restarted actors.
+        print(f"lost the worker at {generated} of {N_ROWS} rows generated; {summary.text()}")
+    finally:
+        _cleanup(cluster, job, worker, spare)
+
+
+def test_worker_node_lost_mid_job_draft_and_target_spread(cluster, job_input, model_dirs, tmp_path):
+    inp, expected = job_input
+    head_id = ray.get_runtime_context().get_node_id()
+    worker = add_worker(cluster, num_cpus=1)  # room for one model actor: SPREAD puts the other on the head
+    job = None
+    try:
+        cfg = _config(inp, tmp_path / "out", model_dirs, placement_strategy="SPREAD")
+        job = JobThread(cfg)
+        wait_for(lambda: len(placement_groups()) == 1 and job.rows_generated() >= MID_JOB, job, "the replica at work")
+        [pg] = placement_groups()
+        assert pg["strategy"] == "SPREAD" and set(pg["nodes"].values()) == {head_id, worker.node_id}, pg
+        lost_actor = ("TargetActor", "DraftActor")[[n for _, n in sorted(pg["nodes"].items())].index(worker.node_id)]
+        _on_driver_node(head_id)
+        generated = job.rows_generated()
+        lose_node(cluster, worker)
+        assert job.is_alive() and generated < N_ROWS, "the job finished before the node was lost: raise N_ROWS"
+        summary = job.result(timeout=400)
+        assert summary.rows == N_ROWS and summary.rows_failed == 0
+        _exactly_once(cfg.output, expected)
+        print(f"lost the worker and the {lost_actor} on it at {generated} of {N_ROWS} rows generated; {summary.text()}")
+    finally:
+        _cleanup(cluster, job, worker)
