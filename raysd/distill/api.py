@@ -18,8 +18,12 @@ from raysd.distill.train import TrainConfig, evaluate_loss, train_draft, train_w
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
 
 
+KINDS = ("layers", "eagle")
+
+
 @dataclass
 class DistillConfig:
+    kind: str = "layers"  # layers: a few decoder layers on tokens (layer_draft); eagle: a feature draft (eagle_draft)
     target: str = DEFAULT_MODEL  # what load_model takes: HF id, local path, or the embedded default
     prompts: list[str] = field(default_factory=list)  # .jsonl / .txt prompt files, read at run time
     output: str | None = None  # directory for raysd_draft.json + draft.safetensors
@@ -52,8 +56,17 @@ class DistillConfig:
     eval_max_new_tokens: int = 64
     chat_template: bool = True
     seed: int = 0
+    # --kind eagle
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # continuations at each of these temperatures
+    code_prompts: int = 0  # > 0: also this many windows of Python standard-library files, continued as raw text
+    holdout_tasks: tuple[str, ...] = ()  # tasks kept entirely out of training
+    eagle: dict = field(default_factory=dict)  # EagleTrainConfig fields (raysd.distill.eagle_train)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if any(t not in (0.0, 1.0) for t in self.temperatures):
+            raise ValueError(f"temperatures must be 0 or 1, got {self.temperatures}")
         if self.backend not in ("ray", "local"):
             raise ValueError(f"backend must be ray or local, got {self.backend!r}")
         if self.temperature not in (0.0, 1.0):
@@ -86,6 +99,10 @@ def distill(cfg: DistillConfig, target=None, tokenizer=None, log=_log) -> Distil
 
     `target`/`tokenizer`: already loaded objects to use instead of loading `cfg.target`.
     """
+    if cfg.kind == "eagle":
+        from raysd.distill.eagle import distill_eagle
+
+        return distill_eagle(cfg, target=target, tokenizer=tokenizer, log=log)
     t0 = time.perf_counter()
     if target is None:
         log(f"loading target {cfg.target}")

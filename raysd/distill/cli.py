@@ -11,9 +11,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from raysd.models.loading import DEFAULT_MODEL
 
+    p.add_argument("--kind", choices=["layers", "eagle"], default="layers",
+                   help="layers: a few decoder layers on tokens; eagle: a feature draft on the target's hidden states")
     g = p.add_argument_group("data")
     g.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF id, local path, or the embedded default (%(default)s)")
     g.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
@@ -26,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-prompts-per-task", type=int, default=0,
                    help="skip each task's first N usable training prompts (more data after a run with --max-prompts-per-task N)")
     g.add_argument("--holdout-per-task", type=int, default=0, help="prompts per task kept out of training for --evaluate")
+    g.add_argument("--temperatures", type=_floats, default=[0.0, 1.0],
+                   help="--kind eagle: continuations at each of these temperatures (0 and/or 1)")
+    g.add_argument("--code-prompts", type=int, default=0,
+                   help="--kind eagle: also N windows of Python standard-library files (raw text), a fixed tenth held out")
+    g.add_argument("--holdout-tasks", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="tasks kept entirely out of training, e.g. translation")
     g.add_argument("--topk", type=int, default=32, help="teacher log-probabilities kept per position")
     g.add_argument("--gen-batch-size", type=int, default=8)
     g.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
@@ -54,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch threads (driver and workers; 0: default)")
     g.add_argument("--ray-address", help="Ray cluster address (default: the submitted job's cluster "
                    "via RAY_ADDRESS, else a private local Ray on loopback; 'local' forces the latter)")
+    g.add_argument("--ttt-steps", type=int, default=3,
+                   help="--kind eagle: draft steps per position in training, steps 2.. fed the draft's own features (EAGLE-3)")
+    g.add_argument("--feature-weight", type=float, default=0.0,
+                   help="--kind eagle: weight of EAGLE's smooth-L1 loss between the draft's and the target's next features")
+    g.add_argument("--prompt-weight", type=float, default=0.3,
+                   help="--kind eagle: loss weight of prompt positions (continuation positions weigh 1)")
     g.add_argument("--device", default="cpu", help="device for the target in the driver")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation")
@@ -80,6 +98,9 @@ def config_from_args(args):
         device=args.device, save_dtype=args.save_dtype, data_cache=args.data_cache, data_only=args.data_only,
         shard=tuple(int(x) for x in args.shard.split("/")), evaluate=args.evaluate, eval_k=args.eval_k, eval_batch_sizes=tuple(args.eval_batch_sizes),
         eval_max_new_tokens=args.eval_max_new_tokens, chat_template=not args.no_chat_template, seed=args.seed,
+        kind=args.kind, temperatures=tuple(args.temperatures), code_prompts=args.code_prompts,
+        holdout_tasks=tuple(args.holdout_tasks),
+        eagle={"ttt_steps": args.ttt_steps, "feature_weight": args.feature_weight, "prompt_weight": args.prompt_weight},
     )
 
 

@@ -24,9 +24,10 @@ _TEXT_FIELDS = ("prompt", "text", "instruction", "question", "input")
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str
+    text: str | tuple[int, ...]  # the prompt's text, or its token ids (for targets without a tokenizer)
     task: str  # Spec-Bench task (mt_bench, translation, ...), a file's "category"/"task", or "default"
     id: str
+    raw: bool = False  # encode as raw text even when the tokenizer has a chat template (code prompts)
 
 
 def task_of(category: str | None) -> str:
@@ -49,6 +50,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 text, cat = rec, None
             elif rec.get("turns"):
                 text, cat = rec["turns"][0], rec.get("category")
+            elif isinstance(rec.get("prompt"), list):  # token ids, as `raysd generate` accepts
+                text, cat = tuple(int(t) for t in rec["prompt"]), rec.get("category") or rec.get("task")
             else:
                 text = next((rec[k] for k in _TEXT_FIELDS if isinstance(rec.get(k), str)), None)
                 if text is None:
@@ -109,8 +112,11 @@ def select_training_prompts(
     return encoded, tasks, skipped
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
-    """Token ids of a prompt: the tokenizer's chat template with a generation prompt when it has one."""
+def encode_prompt(tokenizer, text, chat_template: bool = True) -> list[int]:
+    """Token ids of a prompt: the tokenizer's chat template with a generation prompt when it has one.
+    A prompt given as token ids is returned as it is (no tokenizer needed)."""
+    if isinstance(text, (list, tuple)):
+        return [int(t) for t in text]
     if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids

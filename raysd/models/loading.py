@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
+from raysd.models.eagle_draft import CONFIG_FILE as _EAGLE_CONFIG
+from raysd.models.eagle_draft import load_eagle, read_eagle_config
 from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
 from raysd.models.layer_draft import load_draft, read_draft_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
 DEFAULT_DRAFT = "smollm2-135m-instruct-draft"  # its distilled draft, shipped in raysd/data (raysd distill)
+DEFAULT_EAGLE = "smollm2-135m-instruct-eagle"  # its EAGLE feature draft, shipped in raysd/data/eagle (raysd distill --kind eagle)
 
 # The draft kinds, and how each is named and loaded. One place: the jobs layer, the actors and
 # the CLI ask `draft_kind`; the engine's drafters (raysd.engine.drafters) implement them.
@@ -29,6 +32,9 @@ DRAFT_KINDS = {
     "model": "a smaller causal LM, by Hugging Face id or path, loaded by `load_model`",
     "layers": "a raysd distilled draft (`raysd distill --kind layers`): a directory with raysd_draft.json, "
               "or DEFAULT_DRAFT; its own layers on the target's embedding and head (raysd.models.layer_draft)",
+    "eagle": "a raysd EAGLE feature draft (`raysd distill --kind eagle`): a directory with raysd_eagle.json, or "
+             "DEFAULT_EAGLE; reads the target's last-layer hidden states, loaded by `load_eagle_draft` "
+             "(raysd.models.eagle_draft)",
 }
 
 
@@ -36,6 +42,8 @@ def draft_kind(name: str) -> str:
     """Which of DRAFT_KINDS a `--draft` value names (no file is read beyond a directory check)."""
     if name in (NO_DRAFT, NGRAM):
         return name
+    if name == DEFAULT_EAGLE or (Path(name).expanduser() / _EAGLE_CONFIG).is_file():
+        return "eagle"
     if name == DEFAULT_DRAFT or (Path(name).expanduser() / _DRAFT_CONFIG).is_file():
         return "layers"
     return "model"
@@ -87,8 +95,33 @@ def distilled_draft_dir(name: str) -> Path | None:
     return path if (path / _DRAFT_CONFIG).is_file() else None
 
 
+def eagle_draft_dir(name: str) -> Path | None:
+    """The directory of an EAGLE draft (DEFAULT_EAGLE, or a path holding raysd_eagle.json), else None."""
+    if name == DEFAULT_EAGLE:
+        path = Path(__file__).resolve().parent.parent / "data" / "eagle"
+        if not (path / _EAGLE_CONFIG).is_file():
+            raise FileNotFoundError(f"the shipped EAGLE draft {DEFAULT_EAGLE!r} is missing from {path}")
+        return path
+    path = Path(name).expanduser()
+    return path if (path / _EAGLE_CONFIG).is_file() else None
+
+
+def load_eagle_draft(name: str, target=None, dtype: str = "float32", device: str = "cpu"):
+    """An EAGLE draft (raysd.models.eagle_draft.EagleDraft) by name or path. `target`: the loaded target to
+    take the embedding, final norm and head from; None loads the target named in the draft's config."""
+    path = eagle_draft_dir(name)
+    if path is None:
+        raise FileNotFoundError(f"{name!r} is not an EAGLE draft (no raysd_eagle.json)")
+    if target is None:
+        target = load_model(ModelSpec(read_eagle_config(path).target))
+    return load_eagle(path, target, dtype=dtype, device=device)
+
+
 def _source(name: str) -> tuple[str, dict]:
     """(name_or_path, extra from_pretrained kwargs) for a model name."""
+    eagle = eagle_draft_dir(name)
+    if eagle is not None:  # an EAGLE draft has its target's tokenizer
+        return _source(read_eagle_config(eagle).target)
     draft = distilled_draft_dir(name)
     if draft is not None:  # a distilled draft has its target's tokenizer and needs its target
         return _source(read_draft_config(draft).target)
@@ -114,7 +147,7 @@ def check_weights_format(path: Path, allow_pickle_weights: bool = False) -> None
     Unpickling a checkpoint runs whatever code the file names, so a directory with only
     pytorch_model.bin (or .pt, ...) is refused unless `allow_pickle_weights`.
     """
-    if allow_pickle_weights or distilled_draft_dir(str(path)) is not None:
+    if allow_pickle_weights or distilled_draft_dir(str(path)) is not None or eagle_draft_dir(str(path)) is not None:
         return
     names = [p.name for p in path.iterdir() if p.is_file()]
     if any(n.endswith((".safetensors", ".gguf")) for n in names):
@@ -151,6 +184,9 @@ def load_model(spec: ModelSpec):
     `spec.allow_pickle_weights` (then a .bin checkpoint is unpickled when no safetensors exist)."""
     from transformers import AutoModelForCausalLM
 
+    if eagle_draft_dir(spec.name) is not None:
+        raise ValueError(f"{spec.name!r} is an EAGLE draft, not a causal LM: it needs the target's hidden states; "
+                         "load it with load_eagle_draft")
     draft = distilled_draft_dir(spec.name)
     if draft is not None:  # its own layers from the draft file, embedding and head from its target
         target = load_model(ModelSpec(read_draft_config(draft).target, trust_remote_code=spec.trust_remote_code))
