@@ -7,10 +7,15 @@ actors run as a two-stage pipeline:
     draft   | A1 | B1 | A2 | B2 | ...
     target  |    | A1 | B1 | A2 | ...
 
-The proposal goes from the draft actor to the target actor as an ObjectRef
-argument (object store; never through the coordinator). Per-row bookkeeping
-(RowState: budgets, random streams, stop conditions, statistics) stays here and is
-the engine's own, so the same seeds give the same tokens as SpecEngine.
+The actors run the engine's own step, halved (raysd.engine.step): the draft actor's
+DraftSide proposes, the target actor's TargetSide verifies, emits, rolls back and
+retires finished rows, and keeps the rows' state (budgets, stop sets, statistics)
+beside the target model. The proposal goes from the draft actor to the target actor
+as an ObjectRef argument (object store; never through the coordinator); the target's
+StepOutcome comes back here and rides on the micro-batch's next draft call. The
+coordinator only admits rows, collects finished ones, chooses K and recovers from
+actor failures. Draws are keyed by (seed, tokens generated), so the same seeds give
+the same tokens as SpecEngine.
 """
 
 from __future__ import annotations
@@ -20,15 +25,14 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
 from contextlib import contextmanager
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import ray
-import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,7 +49,9 @@ from raysd.actors.model_actors import (
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.rows import GenerationResult, Request, RowState, fill_holes, request_error, stop_ids_for
+from raysd.engine.engine import LossyAcceptanceWarning, parse_acceptance
+from raysd.engine.rows import GenerationResult, Request, request_error
+from raysd.engine.step import RowLimits, StepOutcome
 from raysd.models.runners import check_runner_kind
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -86,9 +92,11 @@ class CoordinatorConfig:
     # costs from `profile_step_costs`; None: always num_speculative_tokens.
     adaptive: AdaptiveConfig | None = None
     runner: str = "auto"  # the target's KV cache (raysd.models.runners); the draft's is DrafterSpec.runner
+    acceptance: str = "exact"  # or "relaxed:LAMBDA" (lossy; raysd.engine.engine.EngineConfig.acceptance)
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        parse_acceptance(self.acceptance)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -149,15 +157,23 @@ class RunOutput:
 
 @dataclass
 class _MicroBatch:
+    """The coordinator's view of a micro-batch: which requests sit in its slots (for recovery),
+    what the target decided last (for the draft's next update), and what K depends on."""
+
     mb_id: int
-    rows: list[tuple[int, RowState]] = field(default_factory=list)  # (request index, row)
-    kept: list[list[int]] = field(default_factory=list)  # tokens to commit before the next step
-    accepted: list[int] = field(default_factory=list)  # drafts each row accepted in that step
-    keep: list[int] | None = None  # rows to keep before the next step (None: all)
-    needs_reset: bool = True  # the actors hold no (valid) state for it
-    on_actors: int = 0  # rows the actors hold once kept/keep are applied; the rest are new
+    rows: list[tuple[int, Request]] = field(default_factory=list)  # (request index, request), slot order
+    new: list[tuple[int, Request]] = field(default_factory=list)  # admitted, not yet sent to the actors
+    last: StepOutcome | None = None  # the target's last decision, not yet forwarded to the draft
+    fresh: bool = True  # the actors hold no (valid) state for it: the next step starts it afresh
     busy: bool = False
-    offered: list[int] = field(default_factory=list)  # K offered to each row in the step in flight
+    # The rows' acceptance evidence and room after the last step (KController.choose_k_from).
+    overlap_sum: list[float] = field(default_factory=list)
+    tested: list[int] = field(default_factory=list)
+    room: list[int] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.rows, self.new, self.last, self.fresh, self.busy = [], [], None, True, False
+        self.overlap_sum, self.tested, self.room = [], [], []
 
 
 @dataclass
@@ -197,12 +213,23 @@ class SpecCoordinator:
         # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
         # Every constructor argument here is small and travels inline.
         target_name = f"raysd-target-{uuid.uuid4().hex}"
-        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(target_factory, config.runner)
+        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(
+            target_factory, config.runner, config.acceptance)
         self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
         self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
         self.vocab_size = self.target_info.vocab_size
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+        if parse_acceptance(config.acceptance) is not None:
+            warnings.warn(f"RELAXED ACCEPTANCE ({config.acceptance}): outputs do NOT follow the target distribution "
+                          "exactly", LossyAcceptanceWarning, stacklevel=2)
+
+    @property
+    def limits(self) -> RowLimits:
+        """What both actors cap and stop rows by; read at each micro-batch's start, so a replaced
+        config (e.g. the EOS ids, known once the tokenizer has loaded) applies to later rows."""
+        cfg = self.config
+        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids)
 
     @property
     def k_controller(self) -> KController | None:
@@ -258,7 +285,8 @@ class SpecCoordinator:
             error = request_error(req, self.vocab_size, self.max_model_len)
             if error:
                 stats = SpecDecodeStats(cfg.num_speculative_tokens)
-                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error)
+                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error,
+                                              acceptance=cfg.acceptance)
             else:
                 waiting.append((i, req))
         start = time.perf_counter()
@@ -347,60 +375,52 @@ class SpecCoordinator:
         """Fill free slots, sharing what is left evenly between micro-batches so both stay busy."""
         cfg = self.config
         if not mb.rows:  # empty: drop its old caches rather than select([]) them
-            mb.needs_reset, mb.kept, mb.keep, mb.on_actors = True, [], None, 0
+            mb.clear()
         unfinished = len(waiting) + sum(len(m.rows) for m in mbs)
         share = min(cfg.micro_batch_size, math.ceil(unfinished / len(mbs)))
         while waiting and len(mb.rows) < share:
-            i, req = waiting.popleft()
-            row = RowState(req, cfg.num_speculative_tokens, stop_ids_for(req.params, cfg.eos_token_ids), self.max_model_len)
-            mb.rows.append((i, row))
+            item = waiting.popleft()
+            mb.rows.append(item)
+            mb.new.append(item)
+
+    def _choose_k(self, mb: _MicroBatch) -> int:
+        """The step's K: the controller's choice from the rows' evidence (as SpecEngine.step), or K."""
+        if self.k_controller is None:
+            return self.config.num_speculative_tokens
+        n = len(mb.new)
+        room = mb.room + [self.limits.first_room(req) for _, req in mb.new]
+        return self.k_controller.choose_k_from(mb.overlap_sum + [0.0] * n, mb.tested + [0] * n, room)
 
     def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:
-        K = self.config.num_speculative_tokens
-        rows = [row for _, row in mb.rows]
-        update = MicroBatchUpdate(
-            reset=mb.needs_reset,
-            kept=tuple(tuple(k) for k in mb.kept),
-            accepted=tuple(mb.accepted) if mb.kept else None,
-            keep=None if mb.keep is None else tuple(mb.keep),
-            new_rows=tuple((row.request.prompt_token_ids, row.request.params) for row in rows[mb.on_actors :]),
-        )
-        max_drafts = [row.max_drafts() for row in rows]
-        if self.k_controller is not None:
-            k_step = self.k_controller.choose_k([row.stats for row in rows], max_drafts)
-            max_drafts = [min(k_step, cap) for cap in max_drafts]
-        mb.offered = max_drafts
-        uniforms = torch.stack([row.uniforms() for row in rows]).numpy()  # [B, 2K + 1]
-        draft_u = np.ascontiguousarray(uniforms[:, :K])  # [B, K]
-        verify_u = np.ascontiguousarray(uniforms[:, K:])  # [B, K + 1]
+        k = self._choose_k(mb)
+        limits = self.limits if mb.fresh else None
+        new = tuple(mb.new)
+        last = mb.last
+        draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new) if last else MicroBatchUpdate(limits, new_rows=new)
+        target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision
         # Two actor tasks per step: with task events on, the GCS keeps a few KB of events for each
         # (up to RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
         propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
-        proposal_ref, meta_ref = propose.remote(mb.mb_id, update, max_drafts, draft_u)
-        verify_ref = self.target.verify.options(enable_task_events=False).remote(mb.mb_id, update, proposal_ref, verify_u)
-        mb.busy, mb.needs_reset, mb.kept, mb.keep, mb.on_actors = True, False, [], None, len(rows)
+        proposal_ref, meta_ref = propose.remote(mb.mb_id, draft_update, k)
+        verify_ref = self.target.verify.options(enable_task_events=False).remote(mb.mb_id, target_update, proposal_ref, k)
+        mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         measure = self.config.measure_bytes
-        draft_nbytes = pickled_nbytes((mb.mb_id, update, max_drafts, draft_u)) if measure else 0
-        target_nbytes = pickled_nbytes((mb.mb_id, update, verify_u)) if measure else 0
+        draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure else 0
+        target_nbytes = pickled_nbytes((mb.mb_id, target_update, k)) if measure else 0
         return verify_ref, _Flight(mb, meta_ref, draft_nbytes, target_nbytes)
 
-    def _finish_step(self, mb: _MicroBatch, out: VerifyResult, results: dict, report: RunReport) -> None:
+    def _finish_step(self, mb: _MicroBatch, result: VerifyResult, results: dict, report: RunReport) -> None:
+        out = result.outcome
         mb.busy = False
-        kept = []
-        for (_, row), k, new, n_draft, n_acc, ov in zip(mb.rows, mb.offered, out.tokens, out.drafted, out.accepted, out.overlaps):
-            row.stats.observe(n_draft, n_acc, ov, k=k)
-            if self.k_controller is not None:
-                self.k_controller.observe(ov)
-            kept.append(row.append(new))
-        keep = fill_holes([row.finish_reason is None for _, row in mb.rows])  # a static cache copies only moved rows
-        for i, row in mb.rows:
-            if row.finish_reason is not None:
-                results[i] = row.result()
-                report.generated_tokens += len(row.output)
-        mb.kept, mb.accepted = kept, list(out.accepted)
-        mb.keep = keep if len(keep) < len(mb.rows) else None
-        mb.rows = [mb.rows[k] for k in keep]
-        mb.on_actors = len(mb.rows)
+        for i, finished in out.finished:
+            results[i] = finished
+            report.generated_tokens += len(finished.token_ids)
+        if self.k_controller is not None:
+            self.k_controller.observe_all(out.step_overlap, out.step_tested)
+        if out.keep is not None:
+            mb.rows = [mb.rows[k] for k in out.keep]
+        mb.last = out
+        mb.overlap_sum, mb.tested, mb.room = list(out.overlap_sum), list(out.tested), list(out.room)
         report.steps += 1
         self.steps_completed += 1
 
@@ -408,11 +428,11 @@ class SpecCoordinator:
         report.recoveries += 1
         if report.recoveries > self.config.max_recoveries:
             raise RuntimeError(f"actors failed {report.recoveries} times in one run; giving up")
-        requeue = sorted((i, row.request) for mb in mbs for i, row in mb.rows)
-        waiting.extendleft(reversed(requeue))  # fresh RowState on admission: same seed, same output
+        requeue = sorted((item for mb in mbs for item in mb.rows), key=lambda item: item[0])
+        waiting.extendleft(reversed(requeue))  # re-run from the prompt: same seed, same output
         for mb in mbs:
-            mb.rows, mb.kept, mb.keep, mb.needs_reset, mb.busy, mb.on_actors = [], [], None, True, False, 0
-        in_flight.clear()  # stale steps: later calls reset the micro-batches, in order after them
+            mb.clear()
+        in_flight.clear()  # stale steps: later calls start the micro-batches afresh, in order after them
         self._wait_for_actors()
 
     def _wait_for_actors(self, timeout_s: float = 120.0) -> None:

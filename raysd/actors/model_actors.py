@@ -1,9 +1,10 @@
 """The two halves of a speculative step, each in its own (Ray actor) process.
 
-DraftActor holds the draft model (or none, for n-gram lookup) and one engine
-Drafter per micro-batch; TargetActor holds the target model and one engine
-TargetVerifier per micro-batch. The per-micro-batch objects share the model
-weights and differ only in their KV caches. Both classes are plain Python: the
+DraftActor holds the draft model (or none, for n-gram lookup) and one DraftSide
+per micro-batch; TargetActor holds the target model and one TargetSide (verifier
+and the rows' state) per micro-batch: the halves of the engine's own step
+(raysd.engine.step). The per-micro-batch objects share the model weights and
+differ only in their KV caches and rows. Both classes are plain Python: the
 coordinator makes them Ray actors with `ray.remote(...)`, and tests may call them
 in process.
 
@@ -15,15 +16,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from raysd.engine.engine import parse_acceptance
+from raysd.engine.rows import Request
+from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
@@ -67,48 +69,44 @@ class DrafterSpec:
 
 @dataclass(frozen=True)
 class MicroBatchUpdate:
-    """What happened to a micro-batch's rows since its last step, applied before the next:
-    commit `kept` (one list per row of the last step, with the drafts each row `accepted`,
-    so the caches roll back without reading the drafts back), keep rows `keep` (None: all),
-    then append `new_rows`. `reset` starts from an empty micro-batch instead."""
+    """What happened to a micro-batch's rows since its last step, applied before the next.
 
-    reset: bool
+    For the draft side: commit `kept` (one tuple per row of the last step, with the drafts each
+    row `accepted`, so its cache rolls back without reading the drafts back) and keep rows
+    `keep` (None: all): the target's StepOutcome, forwarded. Then both sides append `new_rows`
+    ((caller's index, request) pairs). `limits` starts the micro-batch afresh (no rows yet)."""
+
+    limits: RowLimits | None = None
     kept: tuple[tuple[int, ...], ...] = ()
-    accepted: tuple[int, ...] | None = None
+    accepted: tuple[int, ...] = ()
     keep: tuple[int, ...] | None = None
-    new_rows: tuple[tuple[tuple[int, ...], SamplingParams], ...] = ()  # (prompt, params)
+    new_rows: tuple[tuple[int, Request], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.reset and (self.kept or self.keep is not None):
-            raise ValueError("a reset update carries no commit or selection")
-
-
-@dataclass
-class _MicroBatch:
-    side: Drafter | TargetVerifier
-    params: list[SamplingParams] = field(default_factory=list)
+        if self.limits is not None and (self.kept or self.keep is not None):
+            raise ValueError("a fresh micro-batch carries no commit or selection")
+        if len(self.accepted) != len(self.kept):
+            raise ValueError(f"accepted needs one count per kept row, got {len(self.accepted)} for {len(self.kept)}")
 
 
 class _MicroBatchStore:
-    def __init__(self, make: Callable[[], Drafter | TargetVerifier]):
-        self.make = make
-        self.states: dict[int, _MicroBatch] = {}
+    """One step half (DraftSide or TargetSide) per micro-batch, sharing the actor's model."""
 
-    def apply(self, mb: int, update: MicroBatchUpdate) -> _MicroBatch:
-        if update.reset:
-            self.states[mb] = _MicroBatch(self.make())
+    def __init__(self, make: Callable[[RowLimits], DraftSide | TargetSide]):
+        self.make = make
+        self.states: dict[int, DraftSide | TargetSide] = {}
+
+    def apply(self, mb: int, update: MicroBatchUpdate) -> DraftSide | TargetSide:
+        if update.limits is not None:
+            self.states[mb] = self.make(update.limits)
         elif mb not in self.states:
             raise MicroBatchStateLost(f"no state for micro-batch {mb} in process {os.getpid()}")
-        state = self.states[mb]
-        if update.kept:
-            state.side.commit([list(k) for k in update.kept], update.accepted)
-        if update.keep is not None:
-            state.side.select(list(update.keep))
-            state.params = [state.params[i] for i in update.keep]
+        side = self.states[mb]
+        if update.kept or update.keep is not None:
+            side.commit(update.kept, update.accepted, update.keep)
         if update.new_rows:
-            state.side.add_rows([list(p) for p, _ in update.new_rows])
-            state.params.extend(params for _, params in update.new_rows)
-        return state
+            side.add(update.new_rows)
+        return side
 
 
 def assigned_device() -> torch.device:
@@ -143,10 +141,7 @@ class DraftMeta:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    tokens: list[list[int]]  # ragged emitted tokens per row
-    drafted: list[int]  # drafts verified per row
-    accepted: list[int]
-    overlaps: list[list[float]]  # overlap at each tested position
+    outcome: StepOutcome  # what the target decided: the draft side's next update, the finished rows
     busy_s: float  # time spent inside verify
 
 
@@ -166,7 +161,8 @@ class DraftActor:
 
             target_vocab_size = ray.get(ray.get_actor(target_vocab_size).get_vocab_size.remote())
         self.target_vocab_size = target_vocab_size
-        self.store = _MicroBatchStore(lambda: spec.build(self.model, target_vocab_size, self.device))
+        self.store = _MicroBatchStore(
+            lambda limits: DraftSide(spec.build(self.model, target_vocab_size, self.device), limits, self.device))
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
@@ -178,17 +174,10 @@ class DraftActor:
         limit = max_model_len(self.model) if self.model is not None else 2**31 - 1
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit)
 
-    def propose(
-        self,
-        mb: int,
-        update: MicroBatchUpdate,
-        max_drafts: Sequence[int],
-        uniforms: np.ndarray,  # [B, K] float32 drafting draws, from each row's generator
-    ) -> tuple[WireProposal, DraftMeta]:
+    def propose(self, mb: int, update: MicroBatchUpdate, k: int) -> tuple[WireProposal, DraftMeta]:
+        """Apply the update, then propose up to min(k, room) drafts per row."""
         start = time.perf_counter()
-        state = self.store.apply(mb, update)
-        sampling = SamplingTensors.from_params(state.params, self.device)
-        proposal = state.side.propose(list(max_drafts), sampling, torch.tensor(uniforms, device=self.device))
+        proposal = self.store.apply(mb, update).propose(k)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         busy = time.perf_counter() - start
         B, K, V = proposal.draft_probs.shape
@@ -197,10 +186,15 @@ class DraftActor:
 
 
 class TargetActor:
-    def __init__(self, model_factory: ModelFactory, runner: str = "auto"):
+    """The target model, and per micro-batch its verifier with the rows' state (TargetSide).
+    `acceptance`: "exact" or "relaxed:LAMBDA" (raysd.engine.engine.parse_acceptance)."""
+
+    def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact"):
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
-        self.store = _MicroBatchStore(lambda: TargetVerifier(self.model, runner))
+        relax = parse_acceptance(acceptance)
+        self.store = _MicroBatchStore(
+            lambda limits: TargetSide(TargetVerifier(self.model, runner), limits, relax=relax, acceptance=acceptance))
         self.vocab_size = TargetVerifier(self.model).vocab_size
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
@@ -217,20 +211,9 @@ class TargetActor:
     def get_vocab_size(self) -> int:
         return self.vocab_size
 
-    def verify(
-        self,
-        mb: int,
-        update: MicroBatchUpdate,
-        wire: WireProposal,
-        uniforms: np.ndarray,  # [B, K + 1] float32: K acceptance draws, then the final-token draw
-    ) -> VerifyResult:
+    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal, k: int) -> VerifyResult:
+        """Apply the update, verify the proposal, emit, roll back, retire finished rows."""
         start = time.perf_counter()
-        state = self.store.apply(mb, update)
-        sampling = SamplingTensors.from_params(state.params, self.device)
-        proposal = decode_proposal(wire, self.device)
-        u = torch.tensor(uniforms, device=self.device)  # [B, K + 1]
-        Kp = proposal.draft_token_ids.shape[1]
-        out = state.side.verify(proposal, sampling, u[:, :Kp], u[:, -1])
-        tokens, _, accepted, overlaps = out.per_row()
-        drafted = proposal.num_draft_tokens.tolist()
-        return VerifyResult(tokens, drafted, accepted, overlaps, time.perf_counter() - start)
+        side = self.store.apply(mb, update)
+        outcome = side.verify(decode_proposal(wire, self.device), k)
+        return VerifyResult(outcome, time.perf_counter() - start)

@@ -82,6 +82,10 @@ class Batch:
                      "tested", "k_sum", "no_draft", "histogram", "per_position", "overlap_sum"):
             setattr(self, name, getattr(self, name)[idx])
 
+    def advance(self, kept: Sequence[Sequence[int]]) -> None:
+        """Count the tokens each row kept, with no verdict (the draft side's copy of `emit`)."""
+        self.generated += np.fromiter((len(k) for k in kept), dtype=np.int64, count=len(kept))
+
     def room(self) -> np.ndarray:
         """[B] drafts worth verifying: the tokens each row may still emit, minus the bonus."""
         left = np.minimum(self.max_new - self.generated, self.max_model_len - self.prompt_len - self.generated)

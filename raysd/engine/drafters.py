@@ -41,6 +41,7 @@ class Proposal:
 
 class Drafter(ABC):
     name: str
+    vocab_size: int  # the width of draft_probs: the target's vocabulary
 
     @abstractmethod
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
@@ -93,7 +94,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
         self.draft_top_m = draft_top_m
-        self.target_vocab_size = target_vocab_size
+        self.target_vocab_size = self.vocab_size = target_vocab_size
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.

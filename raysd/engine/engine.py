@@ -9,15 +9,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 from transformers import PreTrainedModel
 
-from raysd.core.sampling import SamplingTensors
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter
-from raysd.engine.batch import Batch
-from raysd.engine.rows import GenerationResult, Request, fill_holes, request_error, step_uniforms
+from raysd.engine.rows import GenerationResult, Request, request_error
+from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
@@ -94,11 +92,13 @@ class EngineTimings:
 
 
 class SpecEngine:
+    """Continuous batching in one process: the step's two halves (raysd.engine.step) called
+    one after the other, new requests taking the slots finished rows free."""
+
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
-        self.verifier = TargetVerifier(target, config.runner)
-        self.drafter = drafter
+        verifier = TargetVerifier(target, config.runner)
         self.config = config
-        self.vocab_size = self.verifier.vocab_size
+        self.vocab_size = verifier.vocab_size
         limits = [max_model_len(target)] + ([config.max_model_len] if config.max_model_len else [])
         if isinstance(drafter, DraftModelDrafter):
             limits.append(max_model_len(drafter.seqs.runner.model))
@@ -120,6 +120,17 @@ class SpecEngine:
                 SyntheticAcceptanceWarning,
                 stacklevel=2,
             )
+        row_limits = RowLimits(config.num_speculative_tokens, self.max_model_len, config.eos_token_ids)
+        self.target_side = TargetSide(verifier, row_limits, config.synthetic_acceptance_rate, self.relax, config.acceptance)
+        self.draft_side = DraftSide(drafter, row_limits, verifier.seqs.device)
+
+    @property
+    def verifier(self) -> TargetVerifier:
+        return self.target_side.verifier
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.draft_side.drafter
 
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
         """Generate for every request; results come back in request order."""
@@ -129,70 +140,40 @@ class SpecEngine:
         for i, req in enumerate(requests):
             error = request_error(req, self.vocab_size, self.max_model_len)
             if error:
-                results[i] = self._flag(GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error))
+                result = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", SpecDecodeStats(cfg.num_speculative_tokens), error)
+                results[i] = self.target_side.label(result)
             else:
                 waiting.append((i, req))
-        batch = Batch(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids)
-        sampling: SamplingTensors | None = None
         start = time.perf_counter()
-        while waiting or len(batch):
-            admitted = [waiting.popleft() for _ in range(min(len(waiting), cfg.max_batch_size - len(batch)))]
+        while waiting or len(self.target_side):
+            admitted = [waiting.popleft() for _ in range(min(len(waiting), cfg.max_batch_size - len(self.target_side)))]
             if admitted:
                 t0 = time.perf_counter()
-                prompts = [req.prompt_token_ids for _, req in admitted]
-                self.verifier.add_rows(prompts)
-                self.drafter.add_rows(prompts)
-                batch.add(admitted)
+                self.target_side.add(admitted)
+                self.draft_side.add(admitted)
                 self.timings.prefill_s += time.perf_counter() - t0
-            if admitted or sampling is None:  # the batch changed: its parameters go to the device once
-                sampling = SamplingTensors.from_params(batch.params, self.verifier.seqs.device)
-            self.step(batch, sampling)
-            finished = batch.finish != 0
-            for b in np.flatnonzero(finished):
-                results[batch.ids[b]] = self._flag(batch.result(b))
-                self.timings.generated_tokens += len(batch.outputs[b])
-            if finished.any():
-                keep = fill_holes((~finished).tolist())
-                batch.keep(keep)
-                self.verifier.select(keep)
-                self.drafter.select(keep)
-                sampling = None
+            for i, result in self.step().finished:
+                results[i] = result
+                self.timings.generated_tokens += len(result.token_ids)
         self.timings.wall_s += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]
 
-    def _flag(self, result: GenerationResult) -> GenerationResult:
-        result.synthetic = self.config.synthetic_acceptance_rate is not None
-        result.acceptance = self.config.acceptance
-        return result
-
-    def step(self, batch: Batch, sampling: SamplingTensors) -> None:
-        """One speculative step for every row of the batch: propose, verify, emit, roll back.
-
-        Nothing is read back from the device but the verdict, once."""
-        K = self.config.num_speculative_tokens
-        device = self.verifier.seqs.device
-        # 1. Per-row budgets and K (host arrays); counter-based draws (on the device).
-        offered = batch.room()  # [B]
+    def step(self) -> StepOutcome:
+        """One speculative step for every row: K for the batch, propose, verify (one read-back),
+        and the draft side follows the target's decision."""
+        k = self.config.num_speculative_tokens
+        batch = self.target_side.batch
         if self.k_controller is not None:
-            k_step = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, offered)
-            offered = np.minimum(offered, k_step)
-        uniforms = step_uniforms(batch.seeds, batch.generated, K, device)  # [B, 2K + 1]
-        # 2. Draft: up to offered[b] tokens per row, and the distributions they were drawn from.
+            k = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, batch.room())
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(offered.tolist(), sampling, uniforms[:, :K])
+        proposal = self.draft_side.propose(k)
         t1 = time.perf_counter()
-        # 3. Verify: one target pass over K + 1 positions, the rejection test, one read-back.
-        Kp = proposal.draft_token_ids.shape[1]
-        rate = self.config.synthetic_acceptance_rate
-        verdict = self.verifier.verify(proposal, sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K], rate, self.relax).read_back()
+        outcome = self.target_side.verify(proposal, k)
         t2 = time.perf_counter()
-        # 4. Emit up to each row's stop condition; both sides roll back to what was kept.
-        kept = batch.emit(verdict, offered)
+        self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep)
         if self.k_controller is not None:
-            self.k_controller.observe_all(verdict.overlap_sums().sum(), verdict.num_tested.sum())
-        accepted = verdict.num_accepted.tolist()
-        self.verifier.commit(kept, accepted)
-        self.drafter.commit(kept, accepted)
+            self.k_controller.observe_all(outcome.step_overlap, outcome.step_tested)
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
+        return outcome

@@ -1,8 +1,8 @@
-"""Requests, results, and the per-row bookkeeping shared by the engine and the Ray coordinator."""
+"""Requests, results, and the per-row helpers shared by the engine's step halves and the Ray coordinator."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -46,63 +46,6 @@ def request_error(request: Request, vocab_size: int, max_model_len: int) -> str 
     if len(prompt) >= max_model_len:
         return f"prompt has {len(prompt)} tokens; the model's context is {max_model_len}"
     return None
-
-
-@dataclass
-class RowState:
-    """One request in flight: its tokens, its random stream, its statistics."""
-
-    request: Request
-    num_speculative_tokens: int
-    stop_ids: frozenset[int]
-    max_model_len: int
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def __post_init__(self) -> None:
-        self.stats = SpecDecodeStats(self.num_speculative_tokens)
-
-    @property
-    def length(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.output)
-
-    def max_drafts(self) -> int:
-        """Drafts worth verifying: no more than the tokens this row may still emit, minus the bonus."""
-        room = min(self.request.params.max_new_tokens - len(self.output), self.max_model_len - self.length)
-        return max(0, min(self.num_speculative_tokens, room - 1))
-
-    def uniforms(self) -> torch.Tensor:
-        """[2K + 1] float64 draws for one step: K for drafting, K for acceptance, 1 for the final token.
-
-        Counter-based (raysd.core.draws), keyed by the row's seed and the tokens it has
-        generated so far: a row's draws depend on its seed and its own history only, never
-        on its batch. `step_uniforms` computes the same for a whole batch on its device."""
-        return step_uniforms([self.request.params.seed], [len(self.output)], self.num_speculative_tokens, "cpu")[0]
-
-    def append(self, tokens: Sequence[int]) -> list[int]:
-        """Emit verified tokens up to a stop condition; returns those actually kept."""
-        params = self.request.params
-        kept = []
-        for t in tokens:
-            kept.append(t)
-            self.output.append(t)
-            if t in self.stop_ids:
-                self.finish_reason = "stop"
-            elif len(self.output) >= params.max_new_tokens or self.length >= self.max_model_len:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        return kept
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(
-            self.request.request_id, list(self.request.prompt_token_ids), list(self.output), self.finish_reason or "length", self.stats
-        )
-
-
-def stop_ids_for(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
-    eos = () if params.ignore_eos else tuple(eos_token_ids)
-    return frozenset(eos) | frozenset(params.stop_token_ids)
 
 
 def fill_holes(alive: Sequence[bool]) -> list[int]:

@@ -12,6 +12,8 @@ from raysd.actors.model_actors import DrafterSpec, MicroBatchStateLost, MicroBat
 from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal, pickled_nbytes
 from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
+from raysd.engine.rows import Request
+from raysd.engine.step import DraftSide, RowLimits
 
 
 def _proposal(B=4, K=3, V=50, support=None, seed=0) -> Proposal:
@@ -92,17 +94,23 @@ def test_top_m_drafter_samples_from_its_reported_top_m():
 
 
 def test_store_applies_updates_and_detects_lost_state():
-    made = []
-    store = _MicroBatchStore(lambda: made.append(NgramDrafter(VOCAB)) or made[-1])
+    """A micro-batch's draft side: started fresh by `limits`, then each update forwards the
+    target's decision (tokens kept, rows kept) before new rows join; unknown state is an error."""
+    store = _MicroBatchStore(lambda limits: DraftSide(NgramDrafter(VOCAB), limits, "cpu"))
     with pytest.raises(MicroBatchStateLost):
-        store.apply(0, MicroBatchUpdate(reset=False))
-    p = SamplingParams()
-    state = store.apply(0, MicroBatchUpdate(reset=True, new_rows=(((1, 2), p), ((3,), p))))
-    state.side.propose([1, 1], SamplingTensors.from_params(state.params), torch.rand(2, 1))
-    state = store.apply(0, MicroBatchUpdate(reset=False, kept=((4,), (5, 6)), keep=(1,), new_rows=(((7, 8), p),)))
-    assert state.side.history == [[3, 5, 6], [7, 8]] and len(state.params) == 2
+        store.apply(0, MicroBatchUpdate())
+    p = SamplingParams(max_new_tokens=8)
+    limits = RowLimits(num_speculative_tokens=1, max_model_len=64)
+    side = store.apply(0, MicroBatchUpdate(limits, new_rows=((0, Request(0, (1, 2), p)), (1, Request(1, (3,), p)))))
+    side.propose(1)
+    side = store.apply(0, MicroBatchUpdate(kept=((4,), (5, 6)), accepted=(0, 1), keep=(1,),
+                                           new_rows=((2, Request(2, (7, 8), p)),)))
+    assert side.drafter.history == [[3, 5, 6], [7, 8]]
+    assert side.batch.ids == [1, 2] and side.batch.generated.tolist() == [2, 0]
     with pytest.raises(ValueError):
-        MicroBatchUpdate(reset=True, keep=(0,))
+        MicroBatchUpdate(limits, keep=(0,))
+    with pytest.raises(ValueError):
+        MicroBatchUpdate(kept=((4,),), accepted=())
 
 
 def test_config_validation():

@@ -122,16 +122,11 @@ def test_engine_state_lives_on_the_device():
     target = tiny_on_device("llama", dtype=torch.bfloat16)
     draft = tiny_on_device("llama", seed=9, layers=1, dtype=torch.bfloat16)
     engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 4, (EOS,)))
-    from raysd.core.sampling import SamplingTensors
-    from raysd.engine.batch import Batch
-
-    batch = Batch(4, 512, (EOS,))
     items = [(i, Request(i, p, SamplingParams(max_new_tokens=8))) for i, p in enumerate(make_prompts()[:4])]
-    engine.verifier.add_rows([r.prompt_token_ids for _, r in items])
-    engine.drafter.add_rows([r.prompt_token_ids for _, r in items])
-    batch.add(items)
-    engine.step(batch, SamplingTensors.from_params(batch.params, DEVICE))
-    assert (batch.generated >= 1).all()
+    engine.target_side.add(items)
+    engine.draft_side.add(items)
+    outcome = engine.step()
+    assert all(len(kept) >= 1 for kept in outcome.kept)
     for runner in (engine.verifier.seqs.runner, engine.drafter.seqs.runner):
         assert runner.lengths.device.type == DEVICE.type
         for layer in runner._layers():

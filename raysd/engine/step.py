@@ -1,0 +1,188 @@
+"""The two halves of a speculative step, shared by the single-process engine and the Ray actors.
+
+`DraftSide` proposes; `TargetSide` verifies, emits, rolls back and retires finished rows, and
+holds the batch state (`Batch`: budgets, stop sets, statistics) beside the target model.
+`SpecEngine.step` calls one after the other in one process; the Ray coordinator calls them in
+two actors, one pair per micro-batch, and only forwards the target's `StepOutcome` to the draft
+and admits new rows. Nothing else is kept per row outside the two sides.
+
+The sides agree without being told: each row's drafts are capped by its own room (the same
+`Batch.room` on both sides, since both see the same kept tokens), and each row's draws come
+from (seed, tokens generated) (`step_uniforms`), so the caller sends one K per step and a seed
+gives the same tokens in the engine and through the actors, whatever the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from raysd.core.sampling import SamplingTensors
+from raysd.engine.batch import Batch
+from raysd.engine.drafters import Drafter, Proposal
+from raysd.engine.rows import GenerationResult, Request, fill_holes, step_uniforms
+from raysd.engine.verifier import TargetVerifier
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What both sides must agree on to cap and stop rows identically."""
+
+    num_speculative_tokens: int  # K: the most drafts a row is offered per step
+    max_model_len: int  # prompt + generated tokens per row
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 64 or self.max_model_len < 2:
+            raise ValueError(f"need 0 <= num_speculative_tokens <= 64 and max_model_len >= 2, got {self}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    def batch(self) -> Batch:
+        return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids)
+
+    def first_room(self, request: Request) -> int:
+        """`Batch.room` of a row not yet admitted (for choosing the K of the step that admits it)."""
+        batch = self.batch()
+        batch.add([(0, request)])
+        return int(batch.room()[0])
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the target side decided in one step: the draft side applies `kept`, `accepted` and
+    `keep` before its next proposal; the caller takes `finished` and feeds the K controller."""
+
+    kept: tuple[tuple[int, ...], ...]  # tokens each row kept this step (the step's row order)
+    accepted: tuple[int, ...]  # drafts each row accepted (both caches roll back to them)
+    keep: tuple[int, ...] | None  # rows left once the finished ones leave (fill_holes order); None: all
+    finished: tuple[tuple[int, GenerationResult], ...]  # (caller's index, result) of the rows that ended
+    # The surviving rows' acceptance evidence and room, for the next step's K (KController.choose_k_from).
+    overlap_sum: tuple[float, ...]
+    tested: tuple[int, ...]
+    room: tuple[int, ...]
+    step_overlap: float  # overlaps summed over every position tested this step (KController.observe_all)
+    step_tested: int
+
+
+class DraftSide:
+    """The propose half: a drafter and, per row, what its draws and its cap depend on.
+
+    The drafter stays cold until a step asks for drafts: until then the side keeps the rows'
+    tokens itself and the drafter does no work at all (no prefill, no cache), so a step with
+    K = 0, as the adaptive controller chooses when drafting would not pay, costs the draft
+    side nothing. The first step with K > 0 prefills the drafter with every row's tokens."""
+
+    def __init__(self, drafter: Drafter, limits: RowLimits, device: torch.device | str):
+        self.drafter, self.limits, self.device = drafter, limits, torch.device(device)
+        self.batch = limits.batch()  # seeds, budgets and tokens generated; its statistics stay unused
+        self.cold: list[list[int]] | None = []  # each row's tokens while the drafter holds none; None once warm
+        self._sampling: SamplingTensors | None = None
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def add(self, items: Sequence[tuple[int, Request]]) -> None:
+        prompts = [list(req.prompt_token_ids) for _, req in items]
+        if self.cold is None:
+            self.drafter.add_rows(prompts)
+        else:
+            self.cold += prompts
+        self.batch.add(items)
+        self._sampling = None
+
+    def propose(self, k: int) -> Proposal:
+        """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws."""
+        K = self.limits.num_speculative_tokens
+        offered = np.minimum(self.batch.room(), k)  # [B]
+        if self.cold is not None:
+            if not offered.any():  # nothing to draft: the drafter stays cold
+                return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
+            self.drafter.add_rows(self.cold)
+            self.cold = None
+        if self._sampling is None:
+            self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
+        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, K, self.device)[:, :K]  # [B, K]
+        return self.drafter.propose(offered.tolist(), self._sampling, uniforms)
+
+    def commit(self, kept: Sequence[Sequence[int]], accepted: Sequence[int], keep: Sequence[int] | None) -> None:
+        """Apply the target's decision: the tokens kept (roll back the rest), then the rows kept."""
+        self.batch.advance(kept)
+        if self.cold is None:
+            self.drafter.commit(kept, accepted)
+            if keep is not None:
+                self.drafter.select(keep)
+        else:
+            for tokens, new in zip(self.cold, kept):
+                tokens += new
+            if keep is not None:
+                self.cold = [self.cold[i] for i in keep]
+        if keep is not None:
+            self.batch.keep(keep)
+            self._sampling = None
+
+
+class TargetSide:
+    """The verify-and-commit half: the target verifier and the batch state beside it.
+
+    `synthetic_rate` (capacity planning) and `relax` (Yin et al. 2024's lossy dial) are the
+    verifier's; `acceptance` labels every result with the rule that produced it."""
+
+    def __init__(self, verifier: TargetVerifier, limits: RowLimits, synthetic_rate: float | None = None,
+                 relax: float | None = None, acceptance: str = "exact"):
+        self.verifier, self.limits = verifier, limits
+        self.synthetic_rate, self.relax, self.acceptance = synthetic_rate, relax, acceptance
+        self.batch = limits.batch()
+        self._sampling: SamplingTensors | None = None
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    @property
+    def device(self) -> torch.device:
+        return self.verifier.seqs.device
+
+    def add(self, items: Sequence[tuple[int, Request]]) -> None:
+        self.verifier.add_rows([req.prompt_token_ids for _, req in items])
+        self.batch.add(items)
+        self._sampling = None
+
+    def verify(self, proposal: Proposal, k: int) -> StepOutcome:
+        """One target pass over every row's drafts, the rejection test, one read-back; emit up to
+        each row's stop condition, roll the cache back to what was kept, retire finished rows."""
+        batch, K = self.batch, self.limits.num_speculative_tokens
+        offered = np.minimum(batch.room(), k)  # [B] what the draft side was allowed (statistics)
+        if self._sampling is None:
+            self._sampling = SamplingTensors.from_params(batch.params, self.device)
+        uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
+        Kp = proposal.draft_token_ids.shape[1]
+        out = self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
+                                   self.synthetic_rate, self.relax)
+        verdict = out.read_back()
+        kept = batch.emit(verdict, offered)
+        accepted = verdict.num_accepted.tolist()
+        self.verifier.commit(kept, accepted)
+        finished, keep = self._retire()
+        return StepOutcome(
+            tuple(map(tuple, kept)), tuple(accepted), keep, finished,
+            tuple(batch.overlap_sum.tolist()), tuple(batch.tested.tolist()), tuple(batch.room().tolist()),
+            float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()),
+        )
+
+    def _retire(self) -> tuple[tuple[tuple[int, GenerationResult], ...], tuple[int, ...] | None]:
+        done = self.batch.finish != 0  # [B]
+        if not done.any():
+            return (), None
+        finished = tuple((self.batch.ids[b], self.label(self.batch.result(b))) for b in np.flatnonzero(done))
+        keep = fill_holes((~done).tolist())  # a static cache copies only the rows that move
+        self.batch.keep(keep)
+        self.verifier.select(keep)
+        self._sampling = None
+        return finished, tuple(keep)
+
+    def label(self, result: GenerationResult) -> GenerationResult:
+        result.synthetic = self.synthetic_rate is not None
+        result.acceptance = self.acceptance
+        return result
