@@ -9,6 +9,10 @@ gcs, other workers) and the rows and tokens in the output so far. At the end it 
 writes: RSS start/end/max per class, tokens/s per time window, and a least-squares fit of
 RSS against rows written (bytes per row: flat memory means a slope near 0).
 Figures from this script are in docs/reliability.md.
+
+This soak kills nothing. The randomized fault soak (processes and nodes killed at random times
+on a simulated two-node cluster, issue 22) is `python -m tests.reliability.chaos --soak-kills 100`,
+beside the fault helpers it uses; its table is in docs/reliability.md too.
 """
 
 from __future__ import annotations

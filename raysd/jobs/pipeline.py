@@ -113,9 +113,16 @@ def claim_once(key: str) -> bool:
 
 
 def release_job(job_key: str) -> None:
-    """Drop the job's records (end of job)."""
-    from ray.experimental.internal_kv import _internal_kv_del
+    """End of job: remove the placement groups its replicas recorded, then drop its records.
 
+    A replica removes its own group when it shuts down cleanly, but Ray Data kills the actors of a
+    failed job, and Ray removes a group only once both its creator actor AND the driver's job are
+    gone: a driver that goes on (a re-run in the same process, a notebook, the fault soak) would
+    find every CPU/GPU still held by the failed job's groups, and its replicas could not place."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+    for key in _internal_kv_list(f"{job_key}/pg/", namespace=_JOB_KV):
+        remove_remembered_placement_group(key.decode() if isinstance(key, bytes) else key)
     _internal_kv_del(f"{job_key}/", del_by_prefix=True, namespace=_JOB_KV)
 
 

@@ -280,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--faults", default="target,draft,replica,driver")
+    p.add_argument("--soak-kills", type=int, default=0,
+                   help="run the randomized fault soak instead (issue 22): jobs on a simulated two-node cluster, "
+                        "killed at random times until this many kills were made")
+    p.add_argument("--kills-per-job", type=int, default=6)
+    p.add_argument("--min-gap-s", type=float, default=1.0, help="soak: least time between two kills")
+    p.add_argument("--max-gap-s", type=float, default=6.0, help="soak: most time between two kills")
+    p.add_argument("--seed", type=int, default=0, help="soak: the random choices of victims and times")
+    p.add_argument("--json", default=None, help="soak: append every kill and round as JSON lines here")
     a = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="raysd-chaos-"))
     target, draft = root / "target", root / "draft"
@@ -290,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     inp.write_text("".join(json.dumps({"key": f"k{i:05d}", "prompt": q}) + "\n" for i, q in enumerate(prompts)))
     ref = reference(str(target), str(draft), prompts, [SamplingParams(max_new_tokens=a.max_new_tokens)] * a.rows)
     expected = {f"k{i:05d}": t for i, t in enumerate(ref)}
+    if a.soak_kills:
+        return soak_main(a, root, inp, expected, target, draft)
     faults = a.faults.split(",")
     actor_faults = [f for f in faults if f != "driver"]
     if actor_faults:
@@ -317,6 +327,172 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a failed trial is a figure too
                 print(json.dumps({"trial": trial, "fault": fault, "outcome": f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
     return 0
+
+
+# ---- the randomized fault soak (issue 22, item 3): not a CI test, figures for docs/reliability.md ----
+
+SOAK_VICTIMS = ("target", "draft", "replica", "write", "stats", "node")
+
+
+def _write_task_pids() -> list[int]:
+    """This cluster's Ray workers running a write task now: Ray titles a worker by its task
+    (`ray::Write`). Only processes this driver started (its nodes' raylets and their workers):
+    other Rays on the machine are not ours to kill."""
+    import psutil
+
+    pids = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if title.startswith("ray::Write"):
+            pids.append(proc.pid)
+    return sorted(pids)
+
+
+class FaultSoak:
+    """Jobs on a simulated two-node cluster (head: the driver's node, plus one worker), each killed at
+    random times, by victim chosen at random, until it ends; a job that fails is re-run (it resumes).
+
+    A node kill first adds a replacement worker (as an autoscaler would), then SIGKILLs the old
+    worker's raylet and everything on it. Every job's output is compared with the clean tokens.
+    """
+
+    def __init__(self, cluster, worker, rng, log):
+        self.cluster, self.worker, self.rng, self.log = cluster, worker, rng, log
+
+    def kill(self, victim: str) -> dict | None:
+        """Kill one process (or the worker node) of kind `victim`; None if there is none right now."""
+        if victim == "node":
+            replacement = add_worker(self.cluster, num_cpus=2)
+            old, self.worker = self.worker, replacement
+            lose_node(self.cluster, old)
+            return {"victim": "node", "node": old.node_id[:8]}
+        if victim == "write":
+            pids = _write_task_pids()
+        elif victim == "stats":
+            pids = alive_pids("JobStats")
+        else:
+            pids = alive_pids(VICTIMS[victim])
+        if not pids:
+            return None
+        pid = self.rng.choice(pids)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return {"victim": victim, "pid": pid}
+
+    def run_job(self, cfg, max_kills: int, gap_s: tuple[float, float],
+                wait_s: float = 30.0) -> tuple[list[dict], list[str], str | None]:
+        """One job with kills at random times until it ends: (kills, victims missed, the job's error).
+
+        Each kill picks its kind at random, then waits (up to `wait_s`) for a process of that kind:
+        right after a node's loss, say, the model actors are restarting and there is none to kill.
+        Taking whatever kind is alive instead would skew the kills toward the always-present
+        ones (the node, JobStats)."""
+        job = JobThread(cfg)
+        kills: list[dict] = []
+        missed: list[str] = []
+        while job.is_alive() and len(kills) < max_kills:
+            job.join(self.rng.uniform(*gap_s))
+            victim = self.rng.choice(SOAK_VICTIMS)
+            deadline = time.monotonic() + wait_s
+            done = None
+            while job.is_alive() and done is None and time.monotonic() < deadline:
+                done = self.kill(victim)
+                if done is None:
+                    time.sleep(0.1)
+            if done is None:
+                if job.is_alive():
+                    missed.append(victim)  # none of that kind within wait_s: not counted as a kill
+                    self.log({"missed": victim})
+                continue
+            done["t"] = round(time.monotonic(), 1)
+            kills.append(done)
+            self.log({"kill": done})
+        job.join(900)
+        if job.is_alive():
+            return kills, missed, "the job hung"
+        error = None if job.error is None else f"{type(job.error).__name__}: {str(job.error).splitlines()[0][:300]}"
+        return kills, missed, error
+
+
+def soak_main(a, root: Path, inp: Path, expected: dict, target: Path, draft: Path) -> int:
+    """The randomized fault soak: rounds of one job each until `a.soak_kills` kills were made."""
+    import dataclasses
+    import random
+
+    import ray
+
+    from raysd.jobs import GenerateConfig
+    from tests.reliability.conftest import read_rows
+
+    rng = random.Random(a.seed)
+    records: list[dict] = []
+    sink = open(a.json, "a") if a.json else None
+
+    def log(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if sink is not None:
+            sink.write(line + "\n")
+            sink.flush()
+
+    cluster = start_cluster(head_cpus=2)
+    worker = add_worker(cluster, num_cpus=2)
+    soak = FaultSoak(cluster, worker, rng, log)
+    kills = 0
+    started = time.monotonic()
+    try:
+        round_no = 0
+        while kills < a.soak_kills:
+            out = root / f"soak-{round_no}"
+            cfg = GenerateConfig(input=str(inp), output=str(out), id_column="key", target=str(target), draft=str(draft),
+                                 max_new_tokens=a.max_new_tokens, batch_size=4, rows_per_file=8, quiet=True, replicas=2)
+            made, missed, error = soak.run_job(cfg, min(a.kills_per_job, a.soak_kills - kills), (a.min_gap_s, a.max_gap_s))
+            kills += len(made)
+            reruns, rerun_errors = 0, []
+            while error is not None and reruns < 3:  # the same command again: it resumes
+                reruns += 1
+                rerun_errors.append(error)
+                error = soak.run_job(cfg, 0, (0, 0))[2]
+            o = compare(Outcome("soak", len(expected)), read_rows(out), "key", expected)
+            record = {"round": round_no, "kills": [k["victim"] for k in made], "missed": missed, "survived": reruns == 0,
+                      "reruns": reruns, "failed": error, "errors": rerun_errors,
+                      **{k: v for k, v in dataclasses.asdict(o).items() if k in ("rows_in", "rows_out", "lost", "duplicated", "token_mismatches", "error_rows")},
+                      "elapsed_s": round(time.monotonic() - started, 1)}
+            records.append(record)
+            log({"round_done": record})
+            round_no += 1
+        log({"table": soak_table(records), "wall_s": round(time.monotonic() - started, 1)})
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if sink is not None:
+            sink.close()
+    return 0
+
+
+def soak_table(records: list[dict]) -> dict:
+    """The figures of docs/reliability.md's fault soak table."""
+    per_victim: dict[str, int] = {}
+    for r in records:
+        for v in r["kills"]:
+            per_victim[v] = per_victim.get(v, 0) + 1
+    missed: dict[str, int] = {}
+    for r in records:
+        for v in r.get("missed", []):
+            missed[v] = missed.get(v, 0) + 1
+    return {"kills": sum(per_victim.values()), "kills_by_victim": per_victim, "missed_by_victim": missed,
+            "jobs": len(records),
+            "jobs_survived": sum(r["survived"] for r in records),
+            "jobs_resumed_by_rerun": sum(1 for r in records if not r["survived"] and r["failed"] is None),
+            "jobs_failed_after_reruns": sum(1 for r in records if r["failed"] is not None),
+            "rows_lost": sum(r["lost"] for r in records), "rows_doubled": sum(r["duplicated"] for r in records),
+            "token_mismatches": sum(r["token_mismatches"] for r in records),
+            "error_rows": sum(r["error_rows"] for r in records)}
 
 
 if __name__ == "__main__":

@@ -163,3 +163,28 @@ def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
     monkeypatch.setattr(pipeline.ray, "get", unavailable)
     pipeline._report(stats, rows_generated=2)
     assert live_totals(stats) == {"stats_lost": 1}
+
+
+def test_job_end_removes_its_replicas_placement_groups(local_ray):
+    """Ray Data kills a failed job's replica actors (no clean shutdown), and Ray removes a placement
+    group only once its creator actor and the driver's job are both gone: a driver that goes on
+    would find the failed job's groups holding every CPU. The job's end removes the groups its
+    replicas recorded, and a restarted replica removes its previous incarnation's."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from raysd.jobs import pipeline
+
+    def state(pg):
+        return ray.util.placement_group_table(pg)["state"]
+
+    job_key = "test-job-end"
+    left, restarted = placement_group([{"CPU": 1}]), placement_group([{"CPU": 1}])
+    ray.get([left.ready(), restarted.ready()], timeout=60)
+    pipeline.remember_placement_group(f"{job_key}/pg/actor-a", left)
+    pipeline.remember_placement_group(f"{job_key}/pg/actor-b", restarted)
+    assert pipeline.remove_remembered_placement_group(f"{job_key}/pg/actor-b")  # a restart's constructor
+    assert not pipeline.remove_remembered_placement_group(f"{job_key}/pg/actor-b")  # once
+    assert state(restarted) == "REMOVED" and state(left) == "CREATED"
+    pipeline.release_job(job_key)
+    assert state(left) == "REMOVED"
