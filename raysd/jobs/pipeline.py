@@ -101,7 +101,8 @@ def _report(stats, **counts) -> None:
 
 
 # Job records in the GCS's internal KV (put-if-absent, survive any actor's loss or restart), under
-# `<job key>/...`: the id stage's claim, each replica's placement group. The runner drops them at the end.
+# `<job key>/...`: the id stage's claim, the ids of the job's replica actors. The runner drops them
+# at the end.
 _JOB_KV = "raysd-jobs"
 
 
@@ -112,42 +113,62 @@ def claim_once(key: str) -> bool:
     return not _internal_kv_put(key, b"1", overwrite=False, namespace=_JOB_KV)
 
 
-def release_job(job_key: str) -> None:
-    """End of job: remove the placement groups its replicas recorded, then drop its records.
-
-    A replica removes its own group when it shuts down cleanly, but Ray Data kills the actors of a
-    failed job, and Ray removes a group only once both its creator actor AND the driver's job are
-    gone: a driver that goes on (a re-run in the same process, a notebook, the fault soak) would
-    find every CPU/GPU still held by the failed job's groups, and its replicas could not place."""
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
-
-    for key in _internal_kv_list(f"{job_key}/pg/", namespace=_JOB_KV):
-        remove_remembered_placement_group(key.decode() if isinstance(key, bytes) else key)
-    _internal_kv_del(f"{job_key}/", del_by_prefix=True, namespace=_JOB_KV)
-
-
-def remember_placement_group(key: str, pg) -> None:
+def record_replica(job_key: str, actor_id: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put(key, pg.id.hex(), overwrite=True, namespace=_JOB_KV)
+    _internal_kv_put(f"{job_key}/replica/{actor_id}", b"1", overwrite=True, namespace=_JOB_KV)
 
 
-def remove_remembered_placement_group(key: str) -> bool:
-    """Remove the placement group recorded under `key`, if any: one a previous incarnation of a
-    restarted actor created. True if there was one."""
+def placement_groups_created_by(actor_ids: set[str]) -> list[str]:
+    """The live placement groups (ids, hex) that these actors created: Ray's own record of each
+    group's creator, from the GCS. An actor id survives the actor's restarts."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    found = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if pg.creator_actor_id.hex() in actor_ids and pg.state != gcs_pb2.PlacementGroupTableData.REMOVED:
+            found.append(pg.placement_group_id.hex())
+    return found
+
+
+def remove_placement_groups(pg_ids: list[str]) -> None:
     from ray._raylet import PlacementGroupID
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    pg_hex = _internal_kv_get(key, namespace=_JOB_KV)
-    if not pg_hex:
-        return False
-    try:
-        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_hex.decode())))
-    except Exception as exc:  # noqa: BLE001 - already gone (removed, or its job ended)
-        logger.info("raysd: the previous replica's placement group is gone already (%s)", exc)
-    _internal_kv_del(key, namespace=_JOB_KV)
-    return True
+    for pg_id in pg_ids:
+        try:
+            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+        except Exception as exc:  # noqa: BLE001 - removed meanwhile
+            logger.info("raysd: placement group %s is gone already (%s)", pg_id[:8], exc)
+
+
+def remove_stale_placement_groups() -> int:
+    """In a restarted actor, before it creates anything: remove the placement groups its previous
+    incarnations created. Their actors died with their owner, but Ray keeps a group until its creator
+    actor AND the driver's job are both gone (a restart is not gone), and after a node's loss even
+    moves it to another node, where it holds the CPUs/GPUs the new coordinator needs."""
+    stale = placement_groups_created_by({ray.get_runtime_context().get_actor_id()})
+    remove_placement_groups(stale)
+    return len(stale)
+
+
+def release_job(job_key: str) -> None:
+    """End of job: remove every placement group its replica actors created, then drop its records.
+
+    A replica removes its group when it shuts down cleanly, but Ray Data kills the actors of a failed
+    job, and Ray removes a group only once its creator actor AND the driver's job are gone: a driver
+    that goes on (a re-run in the same process, a notebook, the fault soak) would find the failed
+    job's groups holding every CPU/GPU, and its replicas could not place."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+    prefix = f"{job_key}/replica/"
+    replicas = {(k.decode() if isinstance(k, bytes) else k)[len(prefix):]
+                for k in _internal_kv_list(prefix, namespace=_JOB_KV)}
+    if replicas:
+        remove_placement_groups(placement_groups_created_by(replicas))
+    _internal_kv_del(f"{job_key}/", del_by_prefix=True, namespace=_JOB_KV)
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -276,14 +297,14 @@ class GenerateReplica:
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         self.tag = actor_id[-8:] if actor_id else "0"
-        # Where this actor records its coordinator's placement group. The actor id survives a restart,
-        # so a restarted replica finds the group of its previous incarnation and removes it: that
-        # group's model actors died with their owner, but Ray keeps the group (its creator was
-        # restarted, not gone) and, after a node's loss, even moves it to another node, where it
-        # would hold the CPUs/GPUs the new coordinator needs.
-        self.pg_key = f"{job_key}/pg/{actor_id}" if job_key and actor_id else None
-        if self.pg_key is not None and remove_remembered_placement_group(self.pg_key):
-            logger.warning("raysd: replica %s restarted; removed its previous placement group", self.tag)
+        # The job's end removes the placement groups its replica actors created (release_job); a
+        # restarted replica removes those of its previous incarnations now (remove_stale_placement_groups).
+        if job_key and actor_id:
+            record_replica(job_key, actor_id)
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                removed = remove_stale_placement_groups()
+                logger.warning("raysd: replica %s restarted; removed %d placement group(s) of its previous run",
+                               self.tag, removed)
 
     def _value(self, row: dict, name: str):
         value = row.get(name)
@@ -296,8 +317,6 @@ class GenerateReplica:
             if self.replica is None:
                 self.replica = GenerationReplica(self.cfg, self.tag,
                                                  max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
-                if self.pg_key is not None:
-                    remember_placement_group(self.pg_key, self.replica.coordinator.placement_group)
             return self.replica
 
     def __call__(self, batch: pa.Table) -> pa.Table:

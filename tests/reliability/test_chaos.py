@@ -166,25 +166,58 @@ def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
 
 
 def test_job_end_removes_its_replicas_placement_groups(local_ray):
-    """Ray Data kills a failed job's replica actors (no clean shutdown), and Ray removes a placement
-    group only once its creator actor and the driver's job are both gone: a driver that goes on
-    would find the failed job's groups holding every CPU. The job's end removes the groups its
-    replicas recorded, and a restarted replica removes its previous incarnation's."""
+    """Ray removes a placement group only once its creator actor AND the driver's job are gone. So
+    the group of a killed replica outlives it (Ray Data kills a failed job's actors without a clean
+    shutdown), and a restarted replica finds its previous incarnation's group still holding CPUs
+    (after a node's loss, moved to another node). A restarted replica removes the groups it created
+    before, and the job's end removes every group its replicas created."""
+    import os
+    import signal
+
     import ray
-    from ray.util.placement_group import placement_group
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group
 
     from raysd.jobs import pipeline
+    from tests.reliability.chaos import wait_until
 
-    def state(pg):
-        return ray.util.placement_group_table(pg)["state"]
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class Replica:  # stands for GenerateReplica: creates a group, cleans up after a restart
+        def __init__(self):
+            self.removed = pipeline.remove_stale_placement_groups() if \
+                ray.get_runtime_context().was_current_actor_reconstructed else 0
+
+        def make_group(self) -> str:
+            pg = placement_group([{"CPU": 1}])
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+        def info(self) -> tuple[int, int]:
+            return os.getpid(), self.removed
+
+    def state(pg_id: str) -> str:
+        return ray.util.placement_group_table(PlacementGroup(PlacementGroupID.from_hex(pg_id)))["state"]
 
     job_key = "test-job-end"
-    left, restarted = placement_group([{"CPU": 1}]), placement_group([{"CPU": 1}])
-    ray.get([left.ready(), restarted.ready()], timeout=60)
-    pipeline.remember_placement_group(f"{job_key}/pg/actor-a", left)
-    pipeline.remember_placement_group(f"{job_key}/pg/actor-b", restarted)
-    assert pipeline.remove_remembered_placement_group(f"{job_key}/pg/actor-b")  # a restart's constructor
-    assert not pipeline.remove_remembered_placement_group(f"{job_key}/pg/actor-b")  # once
-    assert state(restarted) == "REMOVED" and state(left) == "CREATED"
+    a, b = Replica.remote(), Replica.remote()
+    for actor in (a, b):
+        pipeline.record_replica(job_key, actor._actor_id.hex())
+    pg_a, pg_b = ray.get([a.make_group.remote(), b.make_group.remote()])
+    pid, _ = ray.get(a.info.remote())
+    os.kill(pid, signal.SIGKILL)  # a restarts
+    wait_until(lambda: _restarted(a, pid), "the actor's restart")
+    assert ray.get(a.info.remote())[1] == 1 and state(pg_a) == "REMOVED"  # its old group, removed by the new run
+    ray.kill(b, no_restart=True)  # as Ray Data ends a failed job's actors: no clean shutdown
+    assert state(pg_b) == "CREATED"  # Ray keeps it while this driver's job lives
     pipeline.release_job(job_key)
-    assert state(left) == "REMOVED"
+    assert state(pg_b) == "REMOVED"
+    ray.kill(a)
+
+
+def _restarted(actor, old_pid) -> bool:
+    import ray
+
+    try:
+        return ray.get(actor.info.remote(), timeout=5)[0] != old_pid
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
