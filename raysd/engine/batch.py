@@ -25,8 +25,10 @@ _REASONS = {LENGTH: "length", STOP: "stop"}
 class Batch:
     """Slots of requests being generated. `add` appends, `keep` selects (the runners' order)."""
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int, eos_token_ids: Sequence[int]):
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, eos_token_ids: Sequence[int],
+                 feature_draft: bool = False):
         K = self.K = num_speculative_tokens
+        self.feature_draft = feature_draft  # a row's first step offers no drafts (no features yet)
         self.max_model_len = max_model_len
         self.eos = tuple(eos_token_ids)
         self.requests: list[Request] = []
@@ -89,7 +91,8 @@ class Batch:
     def room(self) -> np.ndarray:
         """[B] drafts worth verifying: the tokens each row may still emit, minus the bonus."""
         left = np.minimum(self.max_new - self.generated, self.max_model_len - self.prompt_len - self.generated)
-        return np.clip(left - 1, 0, self.K)
+        room = np.clip(left - 1, 0, self.K)
+        return np.where(self.generated == 0, 0, room) if self.feature_draft else room
 
     def emit(self, verdict: Verdict, offered: np.ndarray) -> list[list[int]]:
         """Append each row's emitted tokens up to its first stop condition, update the statistics,

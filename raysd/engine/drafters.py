@@ -18,6 +18,8 @@ from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.sequences import SequenceState
+from raysd.models.eagle_draft import EagleDraft
+from raysd.models.features import EagleCausalLM
 from raysd.models.loading import output_vocab_size
 from raysd.models.runners import make_runner
 
@@ -42,6 +44,7 @@ class Proposal:
 class Drafter(ABC):
     name: str
     vocab_size: int  # the width of draft_probs: the target's vocabulary
+    needs_features = False  # True: `commit` also takes the target's features (FeatureDrafter)
 
     @abstractmethod
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
@@ -188,3 +191,96 @@ class NgramDrafter(Drafter):
                 start = int(hits[-1]) + n  # the most recent occurrence
                 return seq[start : start + k].tolist()
         return []
+
+
+class FeatureDrafter(Drafter):
+    """EAGLE (Li et al. 2024): a one-layer draft that reads the target's own features
+    (raysd.models.eagle_draft), run by the same runners as any model.
+
+    The draft's position t reads (feature f_t, token x_{t+1}) and predicts x_{t+2}. After each
+    step the target hands over its features of the positions it cached for good; they are this
+    drafter's pending inputs, paired with the tokens that follow them. `propose` feeds them,
+    then drafts K tokens, feeding back its own hidden state as the next feature (EAGLE's
+    autoregression at the feature level), and rolls its cache back to the target's features:
+    a drafted position is never kept, since its input was the draft's own feature.
+    Exact whatever the draft: `draft_probs` is the distribution each draft was drawn from.
+    """
+
+    name = "eagle"
+    needs_features = True
+
+    def __init__(self, draft: EagleDraft, target_vocab_size: int, runner: str = "auto"):
+        self.model = EagleCausalLM(draft)
+        self.vocab_size = target_vocab_size
+        self.runner = make_runner(self.model, runner, vocab_size=min(output_vocab_size(self.model), target_vocab_size))
+        self.hidden_size = draft.config.hidden_size
+        self.tokens: list[list[int]] = []  # every row's committed tokens
+        self.cached: list[int] = []  # positions in the draft's cache (all read the target's features)
+        self.pending: list[torch.Tensor] = []  # [n, H] target features of positions cached[b].. not yet fed
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def add_rows(self, prompts):
+        self.runner.add_rows(len(prompts))
+        self.tokens += [list(p) for p in prompts]
+        self.cached += [0] * len(prompts)
+        self.pending += [torch.zeros(0, self.hidden_size, device=self.device) for _ in prompts]
+
+    def select(self, rows):
+        self.runner.select(rows)
+        self.tokens = [self.tokens[i] for i in rows]
+        self.cached = [self.cached[i] for i in rows]
+        self.pending = [self.pending[i] for i in rows]
+
+    def commit(self, new_tokens, num_accepted=None, features=None):
+        assert features is not None and len(features) == len(new_tokens), "the target's features for every row"
+        for b, (new, f) in enumerate(zip(new_tokens, features)):
+            self.tokens[b] += new
+            self.pending[b] = torch.cat([self.pending[b], f.to(self.pending[b].dtype)])
+
+    def propose(self, max_drafts, sampling, uniforms):
+        B, K = len(max_drafts), max(max_drafts, default=0)
+        if K == 0:
+            return Proposal.empty(B, self.vocab_size, self.device)
+        # 1. Feed each row's pending (feature, next token) pairs, right-aligned: logits and hidden
+        #    state at its last committed position. A row with none (its first step) drafts nothing.
+        counts = [len(f) for f in self.pending]
+        P = max(counts)
+        tokens = torch.zeros(B, P, dtype=torch.int64)
+        feats = torch.zeros(B, P, self.hidden_size, device=self.device)
+        for b, (f, n, c) in enumerate(zip(self.pending, counts, self.cached)):
+            if n:
+                tokens[b, P - n :] = torch.as_tensor(self.tokens[b][c + 1 : c + 1 + n])
+                feats[b, P - n :] = f
+        valid = torch.arange(P)[None, :] >= torch.tensor([P - n for n in counts])[:, None]  # [B, P]
+        ones = torch.ones(B, dtype=torch.int64, device=self.device)
+        self.model.features = feats
+        logits = self.runner.forward(tokens.to(self.device), valid.to(self.device), ones, 1)[:, 0]  # [B, V']
+        hidden = self.model.hidden[:, -1:]  # [B, 1, H] the last real position of every row
+        self.cached = [c + n for c, n in zip(self.cached, counts)]
+        self.pending = [f[:0] for f in self.pending]
+        # 2. Draft: each token drawn from the row's own distribution; its own hidden state is the next feature.
+        drafts, probs = [], []
+        for i in range(K):
+            p = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
+            t = sample_from_probs(p, uniforms[:, i])  # [B]
+            drafts.append(t)
+            probs.append(p)
+            if i + 1 < K:
+                self.model.features = hidden
+                logits = self.runner.forward(t[:, None], ones[:, None].bool(), ones, 1)[:, 0]
+                hidden = self.model.hidden
+        # 3. Back to the positions that read the target's features.
+        self.runner.rollback(torch.tensor(self.cached, dtype=torch.int64, device=self.device), max(self.cached))
+        num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=self.device)
+        return Proposal(torch.stack(drafts, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
+
+
+def _widen(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V'] -> [B, V]: a draft's narrower vocabulary gets -inf on the target's extra tokens."""
+    missing = vocab_size - logits.shape[-1]
+    if missing <= 0:
+        return logits
+    return torch.cat([logits, logits.new_full((logits.shape[0], missing), float("-inf"))], dim=-1)

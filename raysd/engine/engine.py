@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
-from raysd.engine.drafters import DraftModelDrafter, Drafter
+from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
@@ -96,12 +96,14 @@ class SpecEngine:
     one after the other, new requests taking the slots finished rows free."""
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
-        verifier = TargetVerifier(target, config.runner)
+        verifier = TargetVerifier(target, config.runner, features=drafter.needs_features)
         self.config = config
         self.vocab_size = verifier.vocab_size
         limits = [max_model_len(target)] + ([config.max_model_len] if config.max_model_len else [])
         if isinstance(drafter, DraftModelDrafter):
             limits.append(max_model_len(drafter.seqs.runner.model))
+        if isinstance(drafter, FeatureDrafter):
+            limits.append(drafter.model.config.max_position_embeddings)
         self.max_model_len = min(limits)
         self.timings = EngineTimings()
         self.k_controller = KController(config.adaptive) if config.adaptive is not None else None
@@ -120,7 +122,8 @@ class SpecEngine:
                 SyntheticAcceptanceWarning,
                 stacklevel=2,
             )
-        row_limits = RowLimits(config.num_speculative_tokens, self.max_model_len, config.eos_token_ids)
+        row_limits = RowLimits(config.num_speculative_tokens, self.max_model_len, config.eos_token_ids,
+                               feature_draft=drafter.needs_features)
         self.target_side = TargetSide(verifier, row_limits, config.synthetic_acceptance_rate, self.relax, config.acceptance)
         self.draft_side = DraftSide(drafter, row_limits, verifier.seqs.device)
 
@@ -170,7 +173,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         outcome = self.target_side.verify(proposal, k)
         t2 = time.perf_counter()
-        self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep)
+        self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep, outcome.features)
         if self.k_controller is not None:
             self.k_controller.observe_all(outcome.step_overlap, outcome.step_tested)
         self.timings.draft_s += t1 - t0

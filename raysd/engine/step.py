@@ -34,6 +34,9 @@ class RowLimits:
     num_speculative_tokens: int  # K: the most drafts a row is offered per step
     max_model_len: int  # prompt + generated tokens per row
     eos_token_ids: tuple[int, ...] = ()
+    # A feature draft (EAGLE) drafts from the target's features, which a row has only after its
+    # first target pass (the prefill runs on the target side): its first step offers no drafts.
+    feature_draft: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64 or self.max_model_len < 2:
@@ -41,7 +44,7 @@ class RowLimits:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     def batch(self) -> Batch:
-        return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids)
+        return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids, self.feature_draft)
 
     def first_room(self, request: Request) -> int:
         """`Batch.room` of a row not yet admitted (for choosing the K of the step that admits it)."""
@@ -65,6 +68,9 @@ class StepOutcome:
     room: tuple[int, ...]
     step_overlap: float  # overlaps summed over every position tested this step (KController.observe_all)
     step_tested: int
+    # For a feature draft: each row's target features [n, H] of the positions it cached for good since
+    # the last outcome (a new row's prompt, then its pending tokens and accepted drafts); else None.
+    features: tuple[torch.Tensor, ...] | None = None
 
 
 class DraftSide:
@@ -78,7 +84,9 @@ class DraftSide:
     def __init__(self, drafter: Drafter, limits: RowLimits, device: torch.device | str):
         self.drafter, self.limits, self.device = drafter, limits, torch.device(device)
         self.batch = limits.batch()  # seeds, budgets and tokens generated; its statistics stay unused
-        self.cold: list[list[int]] | None = []  # each row's tokens while the drafter holds none; None once warm
+        # Each row's tokens while the drafter holds none; None once warm (a feature draft is never
+        # cold: it follows the target's features from a row's first step).
+        self.cold: list[list[int]] | None = None if drafter.needs_features else []
         self._sampling: SamplingTensors | None = None
 
     def __len__(self) -> int:
@@ -107,10 +115,16 @@ class DraftSide:
         uniforms = step_uniforms(self.batch.seeds, self.batch.generated, K, self.device)[:, :K]  # [B, K]
         return self.drafter.propose(offered.tolist(), self._sampling, uniforms)
 
-    def commit(self, kept: Sequence[Sequence[int]], accepted: Sequence[int], keep: Sequence[int] | None) -> None:
+    def commit(self, kept: Sequence[Sequence[int]], accepted: Sequence[int], keep: Sequence[int] | None,
+               features: Sequence[torch.Tensor] | None = None) -> None:
         """Apply the target's decision: the tokens kept (roll back the rest), then the rows kept."""
         self.batch.advance(kept)
-        if self.cold is None:
+        if self.drafter.needs_features:
+            assert features is not None, "a feature draft needs the target's features in every outcome"
+            self.drafter.commit(kept, accepted, [f.to(self.device) for f in features])
+            if keep is not None:
+                self.drafter.select(keep)
+        elif self.cold is None:
             self.drafter.commit(kept, accepted)
             if keep is not None:
                 self.drafter.select(keep)
@@ -136,6 +150,8 @@ class TargetSide:
         self.synthetic_rate, self.relax, self.acceptance = synthetic_rate, relax, acceptance
         self.batch = limits.batch()
         self._sampling: SamplingTensors | None = None
+        # Feature draft only: each row's prompt features, until its first outcome carries them.
+        self._prompt_features: list[torch.Tensor | None] | None = [] if verifier.tap is not None else None
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -145,7 +161,9 @@ class TargetSide:
         return self.verifier.seqs.device
 
     def add(self, items: Sequence[tuple[int, Request]]) -> None:
-        self.verifier.add_rows([req.prompt_token_ids for _, req in items])
+        features = self.verifier.add_rows([req.prompt_token_ids for _, req in items])
+        if self._prompt_features is not None:
+            self._prompt_features += features
         self.batch.add(items)
         self._sampling = None
 
@@ -163,13 +181,24 @@ class TargetSide:
         verdict = out.read_back()
         kept = batch.emit(verdict, offered)
         accepted = verdict.num_accepted.tolist()
+        features = self._features(accepted)
         self.verifier.commit(kept, accepted)
         finished, keep = self._retire()
         return StepOutcome(
             tuple(map(tuple, kept)), tuple(accepted), keep, finished,
             tuple(batch.overlap_sum.tolist()), tuple(batch.tested.tolist()), tuple(batch.room().tolist()),
-            float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()),
+            float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()), features,
         )
+
+    def _features(self, accepted: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
+        """A feature draft's part of the outcome: new rows' prompt features, then every row's
+        features at the positions this step cached for good (device tensors)."""
+        if self._prompt_features is None:
+            return None
+        step = self.verifier.accepted_features(accepted)
+        out = tuple(f if prompt is None else torch.cat([prompt, f]) for prompt, f in zip(self._prompt_features, step))
+        self._prompt_features = [None] * len(step)
+        return out
 
     def _retire(self) -> tuple[tuple[tuple[int, GenerationResult], ...], tuple[int, ...] | None]:
         done = self.batch.finish != 0  # [B]
@@ -179,6 +208,8 @@ class TargetSide:
         keep = fill_holes((~done).tolist())  # a static cache copies only the rows that move
         self.batch.keep(keep)
         self.verifier.select(keep)
+        if self._prompt_features is not None:
+            self._prompt_features = [self._prompt_features[i] for i in keep]
         self._sampling = None
         return finished, tuple(keep)
 

@@ -13,6 +13,7 @@ from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_ta
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.engine.drafters import Proposal
 from raysd.engine.sequences import SequenceState
+from raysd.models.features import FeatureTap
 from raysd.models.runners import make_runner
 
 
@@ -60,12 +61,38 @@ class VerifyOutput:
 
 
 class TargetVerifier:
-    def __init__(self, model: PreTrainedModel, runner: str = "auto"):
+    """`features=True` also keeps the target's features (last-layer pre-norm hidden states) of
+    every position it caches, for a feature draft: `add_rows` returns the prompts', and
+    `accepted_features` a step's accepted positions'."""
+
+    def __init__(self, model: PreTrainedModel, runner: str = "auto", features: bool = False):
         self.seqs = SequenceState(make_runner(model, runner))
         self.vocab_size = self.seqs.runner.vocab_size
+        self.tap = FeatureTap.of(model) if features else None
+        self.hidden_size = model.config.hidden_size
+        self._step: tuple[torch.Tensor, list[int], list[int]] | None = None  # features [B, W, H], starts, pending
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor] | None:
+        """Prefill new rows (all but each prompt's last token); with features, return each row's
+        [len(prompt) - 1, H] features of the prefilled positions."""
         self.seqs.add_rows(prompts)
+        if self.tap is None:
+            return None
+        lengths = [len(p) - 1 for p in prompts]
+        if not any(lengths):
+            return [torch.zeros(0, self.hidden_size, device=self.seqs.device) for _ in prompts]
+        F = self.tap.take()  # [n, W, H], each prefilled row right-aligned; only rows with a prefix, or all
+        rows = range(len(prompts)) if F.shape[0] == len(prompts) else [i for i, n in enumerate(lengths) if n]
+        by_row = {i: F[k, F.shape[1] - lengths[i] :] for k, i in enumerate(rows)}
+        return [by_row.get(i, F.new_zeros(0, F.shape[2])) for i in range(len(prompts))]
+
+    def accepted_features(self, num_accepted: Sequence[int]) -> list[torch.Tensor]:
+        """After `verify`: each row's features at the positions it now caches for good (its pending
+        tokens and its accepted drafts), [pending + accepted, H]: device views, nothing read back."""
+        assert self._step is not None, "verify with features=True first"
+        F, starts, pending = self._step
+        self._step = None
+        return [F[b, s : s + p + int(a)] for b, (s, p, a) in enumerate(zip(starts, pending, num_accepted))]
 
     def select(self, rows: Sequence[int]) -> None:
         self.seqs.select(rows)
@@ -90,7 +117,13 @@ class TargetVerifier:
         K = ids.shape[1]
         host = proposal.num_draft_host
         n = max(host, default=0) + 1 if host is not None else None
+        pending = [len(p) for p in self.seqs.pending]
         logits = self.seqs.feed(ids, num, num + 1, n, host)  # [B, n, V] with n = max(num) + 1
+        if self.tap is not None:  # the chunk right-aligns each row's pending tokens and drafts
+            assert host is not None, "a feature draft states its draft counts on the host"
+            F = self.tap.take()  # [B, W, H]
+            W = F.shape[1]
+            self._step = (F, [W - p - d for p, d in zip(pending, host)], pending)
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
         target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]

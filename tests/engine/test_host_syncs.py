@@ -16,9 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raysd.core.sampling import SamplingParams
-from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
+from raysd.models.eagle_draft import EagleDraft
 from tests.conftest import EOS, VOCAB, tiny_model
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"}
@@ -59,12 +60,14 @@ def count_host_reads(monkeypatch):
 
 
 def drafter_of(kind: str, target):
+    if kind == "eagle":
+        return FeatureDrafter(EagleDraft.from_target(target), VOCAB)
     if kind == "model":
         return DraftModelDrafter(tiny_model("llama", seed=5, layers=1), VOCAB)
     return NgramDrafter(VOCAB) if kind == "ngram" else NoDrafter(VOCAB)
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram", "none"])
+@pytest.mark.parametrize("kind", ["model", "eagle", "ngram", "none"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
     target = tiny_model("llama", seed=0)

@@ -1,0 +1,82 @@
+"""The target's features for a feature draft (EAGLE), and the feature draft behind a runner.
+
+`FeatureTap` records what the target's final norm receives: the last layer's pre-norm hidden
+states, EAGLE's features (Li et al. 2024, section 3), for every position of the target's latest
+forward, whichever runner made it. `EagleCausalLM` puts an `EagleDraft` behind the call a runner
+makes (`model(input_ids=, attention_mask=, position_ids=, past_key_values=, ...)`), with the
+features of the same positions handed in beside the tokens, so the draft gets the runners'
+static cache, rollback and slot selection unchanged.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from raysd.models.eagle_draft import EagleDraft
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    base = model.base_model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if isinstance(getattr(base, name, None), nn.Module):
+            return getattr(base, name)
+    raise TypeError(f"{type(model).__name__}: no final norm found (a feature draft needs a Llama-family target)")
+
+
+class FeatureTap:
+    """Keeps the input of `model`'s final norm at its latest forward: [B, T, H] for the T positions
+    of the chunk it ran (the runners right-align each row's real tokens in the chunk)."""
+
+    def __init__(self, model: nn.Module):
+        self.last: torch.Tensor | None = None
+        self._handle = final_norm(model).register_forward_pre_hook(self._record)
+
+    @staticmethod
+    def of(model: nn.Module) -> "FeatureTap":
+        """The model's one tap (every verifier on the model shares it: one hook, however many
+        micro-batches come and go)."""
+        tap = model.__dict__.get("_raysd_feature_tap")
+        if tap is None:
+            tap = model.__dict__["_raysd_feature_tap"] = FeatureTap(model)
+        return tap
+
+    def _record(self, module, args) -> None:
+        self.last = args[0].detach()
+
+    def take(self) -> torch.Tensor:
+        last, self.last = self.last, None
+        assert last is not None, "no target forward since the last take()"
+        return last
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class EagleCausalLM(nn.Module):
+    """An EagleDraft as a causal LM for a runner. Set `features` ([B, T, H], aligned with the chunk
+    the runner will pass) before each call; `hidden` then holds the draft's own hidden states,
+    the features of its next draft step."""
+
+    def __init__(self, draft: EagleDraft):
+        super().__init__()
+        self.draft = draft
+        self.config = draft.config
+        self.features: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.draft.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.draft.head
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
+                logits_to_keep: int = 0, **unused):
+        B, T = input_ids.shape
+        assert self.features is not None and self.features.shape[:2] == (B, T), "set features for the chunk first"
+        logits, self.hidden = self.draft(self.features, input_ids, position_ids, past_key_values, attention_mask)
+        self.features = None
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)

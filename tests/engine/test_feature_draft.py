@@ -1,0 +1,129 @@
+"""The EAGLE feature draft through the engine (issue 18 items 1-2): the target hands over its
+features, the draft drafts from them, and the output stays the target's: greedy token for token,
+sampled in law."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.engine.drafters import FeatureDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from raysd.models.eagle_draft import EagleDraft
+from raysd.models.features import final_norm
+from tests.conftest import VOCAB, tiny_model
+from tests.core.test_distribution import tv_tolerance
+from tests.engine.test_equivalence import hf_greedy, prompts
+
+
+def eagle_engine(target, k: int, batch: int, runner: str, seed: int = 0, vocab: int = VOCAB) -> SpecEngine:
+    draft = EagleDraft.from_target(target, init_layer=-1, seed=seed)  # untrained: a weak but real draft
+    return SpecEngine(target, FeatureDrafter(draft, vocab, runner=runner),
+                      EngineConfig(num_speculative_tokens=k, max_batch_size=batch, runner=runner))
+
+
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
+@pytest.mark.parametrize("k,batch", [(1, 1), (3, 3), (5, 8)])
+def test_greedy_output_is_the_targets_own(runner, k, batch):
+    target = tiny_model("llama", seed=0)
+    ps = prompts(seed=1)[:6]
+    engine = eagle_engine(target, k, batch, runner)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 3, 9, 14, 1, 7)]
+    results = engine.generate([Request(i, p, q) for i, (p, q) in enumerate(zip(ps, params))])
+    for p, q, r in zip(ps, params, results):
+        assert r.token_ids == hf_greedy(target, p, q.max_new_tokens)
+    assert sum(r.stats.num_draft_tokens for r in results) > 0
+    assert engine.drafter.runner.num_rows == 0 and engine.verifier.seqs.runner.num_rows == 0
+
+
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
+def test_the_draft_reads_the_targets_own_features(runner):
+    """Every feature the draft receives is the target's pre-norm last-layer hidden state at that
+    position, as a full forward over the finished sequence computes it."""
+    target = tiny_model("llama", seed=0)
+    ps = prompts(seed=2)[:2]
+    engine = eagle_engine(target, 3, 2, runner)
+    received: list[list[torch.Tensor]] = [[], []]
+    commit = engine.drafter.commit
+
+    def recording_commit(new_tokens, num_accepted=None, features=None):
+        for b, f in enumerate(features):
+            received[b].append(f.clone())
+        return commit(new_tokens, num_accepted, features)
+
+    engine.drafter.commit = recording_commit
+    results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for i, p in enumerate(ps)])
+    seen = []
+    handle = final_norm(target).register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    for b, r in enumerate(results):
+        seen.clear()
+        with torch.no_grad():
+            target(torch.tensor([list(r.prompt_token_ids) + r.token_ids]))
+        full = seen[0][0]  # [L, H]
+        got = torch.cat(received[b])  # positions 0.. in order
+        assert got.shape[0] == len(r.prompt_token_ids) + len(r.token_ids) - 1  # all but the unread last token
+        torch.testing.assert_close(got, full[: got.shape[0]], atol=1e-4, rtol=1e-4)
+    handle.remove()
+
+
+def test_a_rows_first_step_drafts_nothing():
+    """The target prefills, so a row has features only after its first target pass."""
+    target = tiny_model("llama", seed=0)
+    engine = eagle_engine(target, 4, 2, "static")
+    items = [(0, Request(0, prompts(seed=3)[0], SamplingParams(max_new_tokens=10, ignore_eos=True)))]
+    engine.target_side.add(items)
+    engine.draft_side.add(items)
+    engine.step()
+    assert engine.target_side.batch.drafted.tolist() == [0] and engine.drafter.runner.lengths.tolist() == [0]
+    engine.step()
+    assert engine.target_side.batch.drafted.tolist() == [4]
+    assert engine.drafter.runner.lengths.tolist() == [len(items[0][1].prompt_token_ids)]  # its features, fed
+
+
+V, N = 6, 12_000  # three tokens: 216 cells of ~56 expected counts each
+
+
+def exact_joint3(target, prompt, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3) from the target alone, under the same temperature/top-k/top-p."""
+    sampling = SamplingTensors.from_params([params])
+
+    def law(seq):
+        with torch.no_grad():
+            return logits_to_probs(target(torch.tensor([seq])).logits[:, -1], sampling)[0].double()
+
+    joint = np.zeros((V, V, V))
+    first = law(prompt)
+    for a in range(V):
+        second = law(prompt + [a])
+        for b in range(V):
+            joint[a, b] = (first[a] * second[b] * law(prompt + [a, b])).numpy()
+    return joint
+
+
+def test_sampled_output_follows_the_targets_law():
+    """The joint law of three sampled tokens (the second and third drafted by the feature draft)
+    equals the target's: chi-square, and total variation within its sample-size bound."""
+    target = tiny_model("llama", seed=11, vocab=V)
+    prompt = [3, 5, 1, 3, 5]
+    base = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=3, ignore_eos=True)
+    engine = eagle_engine(target, 2, 2000, "static", seed=3, vocab=V)
+    results = engine.generate([Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 50_000 + i}))
+                               for i in range(N)])
+    counts = np.zeros((V, V, V))
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    expected = exact_joint3(target, prompt, base) * N
+    support = expected.ravel() > 0
+    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
+    exp, obs = expected.ravel()[support], counts.ravel()[support]
+    small = exp < 5
+    exp = np.append(exp[~small], exp[small].sum()) if small.any() else exp
+    obs = np.append(obs[~small], obs[small].sum()) if small.any() else obs
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    tv = 0.5 * np.abs(counts / N - expected / N).sum()
+    assert tv <= tv_tolerance(int(support.sum()), N), tv
+    assert sum(r.stats.num_accepted_draft_tokens for r in results) > 0  # the drafts were really used
