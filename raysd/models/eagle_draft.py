@@ -104,7 +104,7 @@ class EagleDraft(nn.Module):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_target(cls, target, head_ids: Sequence[int] | torch.Tensor | None = None, init_layer: int | None = -1,
+    def from_target(cls, target, head_ids: Sequence[int] | torch.Tensor | None = None, init_layer: int | None = None,
                     seed: int = 0) -> "EagleDraft":
         """A new draft for `target`: its embedding, final norm and head (copies, frozen), an FR-Spec head
         over `head_ids` if given, the decoder layer initialised from target layer `init_layer` (None: random),
