@@ -51,6 +51,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab: int =
     return model.eval()
 
 
+def tiny_eagle(target_seed: int = 0, seed: int = 0, vocab: int = VOCAB):
+    """An untrained EAGLE feature draft for tiny_model("llama", target_seed): weak, but real."""
+    from raysd.models.eagle_draft import EagleDraft
+
+    return EagleDraft.from_target(tiny_model("llama", target_seed, vocab=vocab), init_layer=-1, seed=seed)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """Tiny models are all per-op overhead; extra threads only oversubscribe the 2 cores."""

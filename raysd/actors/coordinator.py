@@ -164,6 +164,7 @@ class _MicroBatch:
     rows: list[tuple[int, Request]] = field(default_factory=list)  # (request index, request), slot order
     new: list[tuple[int, Request]] = field(default_factory=list)  # admitted, not yet sent to the actors
     last: StepOutcome | None = None  # the target's last decision, not yet forwarded to the draft
+    features: ray.ObjectRef | None = None  # its features for a feature draft (target actor -> draft actor)
     fresh: bool = True  # the actors hold no (valid) state for it: the next step starts it afresh
     busy: bool = False
     # The rows' acceptance evidence and room after the last step (KController.choose_k_from).
@@ -172,7 +173,7 @@ class _MicroBatch:
     room: list[int] = field(default_factory=list)
 
     def clear(self) -> None:
-        self.rows, self.new, self.last, self.fresh, self.busy = [], [], None, True, False
+        self.rows, self.new, self.last, self.features, self.fresh, self.busy = [], [], None, None, True, False
         self.overlap_sum, self.tested, self.room = [], [], []
 
 
@@ -229,7 +230,7 @@ class SpecCoordinator:
         """What both actors cap and stop rows by; read at each micro-batch's start, so a replaced
         config (e.g. the EOS ids, known once the tokenizer has loaded) applies to later rows."""
         cfg = self.config
-        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids)
+        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids, self.draft_info.feature_draft)
 
     @property
     def k_controller(self) -> KController | None:
@@ -366,6 +367,7 @@ class SpecCoordinator:
             t.draft_args += flight.draft_args_nbytes
             t.target_args += flight.target_args_nbytes
             t.results += pickled_nbytes(result) if cfg.measure_bytes else 0
+            t.features += result.features_nbytes
             if refill is not None and report.recoveries:
                 # A stream lives for a whole job: max_recoveries bounds failures in a row, not in its life.
                 report.recoveries_done += report.recoveries
@@ -396,13 +398,17 @@ class SpecCoordinator:
         limits = self.limits if mb.fresh else None
         new = tuple(mb.new)
         last = mb.last
-        draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new) if last else MicroBatchUpdate(limits, new_rows=new)
+        if last is not None:
+            draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new)
+        else:
+            draft_update = MicroBatchUpdate(limits, new_rows=new)
         target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision
         # Two actor tasks per step: with task events on, the GCS keeps a few KB of events for each
         # (up to RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
         propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
-        proposal_ref, meta_ref = propose.remote(mb.mb_id, draft_update, k)
-        verify_ref = self.target.verify.options(enable_task_events=False).remote(mb.mb_id, target_update, proposal_ref, k)
+        proposal_ref, meta_ref = propose.remote(mb.mb_id, draft_update, k, mb.features if last is not None else None)
+        verify = self.target.verify.options(num_returns=2, enable_task_events=False)
+        verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         measure = self.config.measure_bytes
         draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure else 0

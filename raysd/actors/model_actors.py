@@ -14,6 +14,7 @@ rows since its last step), so one call per actor per step is enough.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import parse_acceptance
 from raysd.engine.rows import Request
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
+from raysd.models.eagle_draft import EagleDraft
+from raysd.models.features import EagleCausalLM
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
 from raysd.models.profile import time_forward
@@ -43,7 +46,7 @@ class MicroBatchStateLost(RuntimeError):
 class DrafterSpec:
     """How the draft actor builds its drafter; picklable."""
 
-    model_factory: ModelFactory | None = None  # None: n-gram prompt lookup, no model
+    model_factory: ModelFactory | None = None  # None: n-gram prompt lookup, no model; an EagleDraft: a feature draft
     draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see DraftModelDrafter)
     min_ngram: int = 1
     max_ngram: int = 3
@@ -61,9 +64,11 @@ class DrafterSpec:
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 
-    def build(self, model: PreTrainedModel | None, target_vocab_size: int, device: torch.device) -> Drafter:
+    def build(self, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int, device: torch.device) -> Drafter:
         if model is None:
             return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
+        if isinstance(model, EagleDraft):
+            return FeatureDrafter(model, target_vocab_size, runner=self.runner)
         return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner)
 
 
@@ -96,14 +101,15 @@ class _MicroBatchStore:
         self.make = make
         self.states: dict[int, DraftSide | TargetSide] = {}
 
-    def apply(self, mb: int, update: MicroBatchUpdate) -> DraftSide | TargetSide:
+    def apply(self, mb: int, update: MicroBatchUpdate, features=None) -> DraftSide | TargetSide:
+        """`features`: a feature draft's part of the forwarded outcome (StepOutcome.features)."""
         if update.limits is not None:
             self.states[mb] = self.make(update.limits)
         elif mb not in self.states:
             raise MicroBatchStateLost(f"no state for micro-batch {mb} in process {os.getpid()}")
         side = self.states[mb]
         if update.kept or update.keep is not None:
-            side.commit(update.kept, update.accepted, update.keep)
+            side.commit(update.kept, update.accepted, update.keep, features)
         if update.new_rows:
             side.add(update.new_rows)
         return side
@@ -129,6 +135,7 @@ class ActorInfo:
     device: str
     vocab_size: int
     max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
+    feature_draft: bool = False  # the draft reads the target's features (EAGLE)
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ class DraftMeta:
 class VerifyResult:
     outcome: StepOutcome  # what the target decided: the draft side's next update, the finished rows
     busy_s: float  # time spent inside verify
+    features_nbytes: int = 0  # tensor bytes of the features sent apart to the draft actor (feature draft)
 
 
 class DraftActor:
@@ -168,16 +176,23 @@ class DraftActor:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
         if self.model is None:
             return [0.0 for _ in batch_sizes]
-        return [time_forward(self.model, B, [0], context, reps)[0] for B in batch_sizes]
+        model = EagleCausalLM(self.model, zero_features=True) if isinstance(self.model, EagleDraft) else self.model
+        return [time_forward(model, B, [0], context, reps)[0] for B in batch_sizes]
 
     def info(self) -> ActorInfo:
-        limit = max_model_len(self.model) if self.model is not None else 2**31 - 1
-        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit)
+        feature = isinstance(self.model, EagleDraft)
+        if self.model is None:
+            limit = 2**31 - 1
+        else:
+            limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
+        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature)
 
-    def propose(self, mb: int, update: MicroBatchUpdate, k: int) -> tuple[WireProposal, DraftMeta]:
-        """Apply the update, then propose up to min(k, room) drafts per row."""
+    def propose(self, mb: int, update: MicroBatchUpdate, k: int,
+                features: tuple[torch.Tensor, ...] | None = None) -> tuple[WireProposal, DraftMeta]:
+        """Apply the update (with, for a feature draft, the target's features of its last step,
+        straight from the target actor), then propose up to min(k, room) drafts per row."""
         start = time.perf_counter()
-        proposal = self.store.apply(mb, update).propose(k)
+        proposal = self.store.apply(mb, update, features).propose(k)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         busy = time.perf_counter() - start
         B, K, V = proposal.draft_probs.shape
@@ -193,8 +208,8 @@ class TargetActor:
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
         relax = parse_acceptance(acceptance)
-        self.store = _MicroBatchStore(
-            lambda limits: TargetSide(TargetVerifier(self.model, runner), limits, relax=relax, acceptance=acceptance))
+        self.store = _MicroBatchStore(lambda limits: TargetSide(
+            TargetVerifier(self.model, runner, features=limits.feature_draft), limits, relax=relax, acceptance=acceptance))
         self.vocab_size = TargetVerifier(self.model).vocab_size
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
@@ -211,9 +226,18 @@ class TargetActor:
     def get_vocab_size(self) -> int:
         return self.vocab_size
 
-    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal, k: int) -> VerifyResult:
-        """Apply the update, verify the proposal, emit, roll back, retire finished rows."""
+    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal,
+               k: int) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
+        """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
+        returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
+        features, which go to the draft actor's next call without passing through the coordinator."""
         start = time.perf_counter()
         side = self.store.apply(mb, update)
         outcome = side.verify(decode_proposal(wire, self.device), k)
-        return VerifyResult(outcome, time.perf_counter() - start)
+        features = None
+        if outcome.features is not None:  # to the host in one copy: they travel through the object store
+            sizes = [len(f) for f in outcome.features]
+            features = tuple(torch.cat(outcome.features).cpu().split(sizes)) if sizes else ()
+            outcome = dataclasses.replace(outcome, features=None)
+        nbytes = sum(f.numel() * f.element_size() for f in features) if features else 0
+        return VerifyResult(outcome, time.perf_counter() - start, nbytes), features

@@ -99,8 +99,10 @@ class TransferStats:
 
     proposal: draft actor -> target actor (through the object store, never the coordinator).
     dense_equivalent: what the proposals' draft_probs would have cost dense.
-    draft_args / target_args: coordinator -> actor (row updates, budgets, uniforms).
+    draft_args / target_args: coordinator -> actor (row updates and K).
     results: target actor -> coordinator (ragged tokens and statistics).
+    features: target actor -> draft actor, a feature draft's target features (tensor bytes;
+        through the object store, never the coordinator).
     """
 
     steps: int = 0
@@ -109,13 +111,14 @@ class TransferStats:
     draft_args: int = 0
     target_args: int = 0
     results: int = 0
+    features: int = 0
     sparse_steps: int = 0  # steps whose proposal travelled sparse
 
     @property
     def total(self) -> int:
-        return self.proposal + self.draft_args + self.target_args + self.results
+        return self.proposal + self.draft_args + self.target_args + self.results + self.features
 
     def per_step(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        fields = ("proposal", "dense_equivalent", "draft_args", "target_args", "results", "total")
+        fields = ("proposal", "dense_equivalent", "draft_args", "target_args", "results", "features", "total")
         return {name: getattr(self, name) / n for name in fields}

@@ -60,9 +60,12 @@ class EagleCausalLM(nn.Module):
     the runner will pass) before each call; `hidden` then holds the draft's own hidden states,
     the features of its next draft step."""
 
-    def __init__(self, draft: EagleDraft):
+    def __init__(self, draft: EagleDraft, zero_features: bool = False):
+        """`zero_features`: a call without features reads zeros (for timing the draft's forward
+        with runners that know nothing of features, e.g. raysd.models.profile.time_forward)."""
         super().__init__()
         self.draft = draft
+        self.zero_features = zero_features
         self.config = draft.config
         self.features: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
@@ -76,6 +79,8 @@ class EagleCausalLM(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
                 logits_to_keep: int = 0, **unused):
         B, T = input_ids.shape
+        if self.features is None and self.zero_features:
+            self.features = torch.zeros(B, T, self.config.hidden_size, device=input_ids.device)
         assert self.features is not None and self.features.shape[:2] == (B, T), "set features for the chunk first"
         logits, self.hidden = self.draft(self.features, input_ids, position_ids, past_key_values, attention_mask)
         self.features = None

@@ -4,6 +4,7 @@ overlap, keeps the target distribution, and survives a killed actor."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -16,12 +17,12 @@ import torch
 
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
-from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
 from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
 from tests.core.test_distribution import chi_square_pvalue
-from tests.conftest import EOS, VOCAB, tiny_model
+from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 
 pytestmark = pytest.mark.slow
 CPU = ActorResources(num_cpus=1, num_gpus=0)
@@ -337,3 +338,19 @@ def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner)
     engine = SpecEngine(target, DraftModelDrafter(tiny_model("llama", 1), VOCAB, runner=runner),
                         EngineConfig(K, 3, (EOS,), runner=runner))
     assert _tokens(out.results[4:]) == _tokens(engine.generate(sampled))
+
+
+def test_feature_draft_through_the_actors():
+    """EAGLE across two actors: the target's features go target -> draft through the object store;
+    greedy output is the target's own and sampled output the engine's, token for token."""
+    eagle = functools.partial(tiny_eagle, 0, 3)
+    with _coordinator(DrafterSpec(eagle)) as c:
+        greedy = requests(random_prompts(7, seed=6), max_new_tokens=11)
+        out = c.generate(greedy)
+        target = tiny_model("llama", 0)
+        assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 11) for r in greedy]
+        t = out.report.transfer
+        assert t.features > 0 and sum(r.stats.num_draft_tokens for r in out.results) > 0
+        sampled = requests(random_prompts(6, seed=7), temperature=1.0, max_new_tokens=9)
+        engine = _engine(FeatureDrafter(tiny_eagle(0, 3), VOCAB)).generate(sampled)
+        assert _tokens(c.generate(sampled).results) == _tokens(engine)
