@@ -193,7 +193,7 @@ class GenerationReplica:
 
     def __init__(self, cfg: GenerateConfig, replica: int | str = 0, max_pending: int | None = None):
         from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
-        from raysd.models.loading import ModelSpec, load_model, load_tokenizer
+        from raysd.models.loading import ModelSpec, draft_kind, load_eagle_for, load_model, load_tokenizer
 
         self.cfg = cfg
         self.K = cfg.effective_num_speculative_tokens
@@ -216,7 +216,10 @@ class GenerationReplica:
         if cfg.draft_is_model:
             draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
                                     allow_pickle_weights=cfg.allow_pickle_weights)
-            drafter = DrafterSpec(functools.partial(load_model, draft_spec))
+            if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
+                drafter = DrafterSpec(functools.partial(load_eagle_for, cfg.draft, target_spec, cfg.draft_dtype))
+            else:
+                drafter = DrafterSpec(functools.partial(load_model, draft_spec))
             draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus)
         else:  # n-gram lookup or no drafting: no model, no GPU
             drafter = DrafterSpec(None)

@@ -117,6 +117,12 @@ def load_eagle_draft(name: str, target=None, dtype: str = "float32", device: str
     return load_eagle(path, target, dtype=dtype, device=device)
 
 
+def load_eagle_for(name: str, target_spec: "ModelSpec", dtype: str = "float32"):
+    """The EAGLE draft `name` for the target of `target_spec` (loaded here: the draft takes its
+    embedding, final norm and head), e.g. in a draft actor: `functools.partial(load_eagle_for, ...)`."""
+    return load_eagle_draft(name, load_model(target_spec), dtype=dtype)
+
+
 def _source(name: str) -> tuple[str, dict]:
     """(name_or_path, extra from_pretrained kwargs) for a model name."""
     eagle = eagle_draft_dir(name)
