@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=4,
                    help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
                         "and step costs profiled at start-up (default: 4)")
+    m.add_argument("--acceptance", default="exact",
+                   help="'exact' (outputs follow the target's distribution), or 'relaxed:LAMBDA' with LAMBDA in [0, 1]: "
+                        "verify against (1 - LAMBDA) target + LAMBDA draft, LOSSY (total variation LAMBDA x TV(target, "
+                        "draft) per drafted token; Yin et al. 2024); each row records its rule (default: exact)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
     m.add_argument("--allow-pickle-weights", action="store_true",
                    help="load pickled weights (pytorch_model.bin, .pt) when a model has no safetensors; unpickling runs "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from raysd.engine.engine import parse_acceptance
 from raysd.models.loading import DEFAULT_MODEL, NGRAM, NO_DRAFT, _DTYPES  # NGRAM, NO_DRAFT: --draft values naming no model
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
@@ -37,6 +38,7 @@ class GenerateConfig:
     draft: str = DEFAULT_DRAFT  # HF id or path, "ngram", or "none" (plain autoregressive decoding)
     draft_dtype: str = "float32"
     num_speculative_tokens: int | str = 4  # or "auto": K in 0..AUTO_MAX_K chosen each step for goodput
+    acceptance: str = "exact"  # or "relaxed:LAMBDA": lossy, Yin et al. 2024 (EngineConfig.acceptance)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -66,6 +68,10 @@ class GenerateConfig:
         need(self.prompt_column != self.id_column, "--prompt-column and --id-column must differ")
         need(bool(self.target) and self.target not in (NGRAM, NO_DRAFT), f"--target must name a model, got {self.target!r}")
         need(bool(self.draft), "--draft must not be empty (use 'none' for plain decoding)")
+        try:
+            parse_acceptance(self.acceptance)
+        except ValueError as exc:
+            raise JobError(f"--acceptance: {exc}") from None
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
             need(dtype in _DTYPES, f"{flag} must be one of {sorted(_DTYPES)}, got {dtype!r}")
         k = self.num_speculative_tokens
@@ -110,7 +116,10 @@ class GenerateConfig:
         """What must match for a re-run to resume into the same output (everything that changes a row)."""
         keys = ("prompt_column", "id_column", "split", "chat_template", "target", "target_dtype", "draft", "draft_dtype",
                 "num_speculative_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-        return {k: getattr(self, k) for k in keys}
+        fingerprint = {k: getattr(self, k) for k in keys}
+        if self.acceptance != "exact":  # absent when exact, so outputs written before the flag still resume
+            fingerprint["acceptance"] = self.acceptance
+        return fingerprint
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -32,6 +32,7 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("target_model", pa.string(), nullable=False),
     pa.field("draft_model", pa.string(), nullable=False),  # a model, "ngram" or "none"
     pa.field("num_speculative_tokens", pa.int32(), nullable=False),
+    pa.field("acceptance", pa.string(), nullable=False),  # the verification rule: exact, or relaxed:LAMBDA (lossy)
     pa.field("seed", pa.int64(), nullable=False),  # the row's effective seed
     # Timing.
     pa.field("latency_s", pa.float64(), nullable=False),  # from the row's batch start to its last token
