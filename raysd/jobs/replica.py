@@ -250,7 +250,13 @@ class GenerationReplica:
             # Step costs measured in the actors at the batch sizes this replica will run;
             # the coordinator overlaps draft and verify, hence the overlapped cost model.
             sizes = sorted({1, ccfg.micro_batch_size})
-            costs = self.coordinator.profile_step_costs(self.K, sizes, context=64, reps=2)
+            from raysd.jobs.profiles import cached_step_costs
+
+            c = self.coordinator
+            key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
+                   "devices": [c.target_info.device, c.draft_info.device], "k_max": self.K, "batch_sizes": sizes,
+                   "context": 64, "reps": 2}
+            costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(self.K, sizes, context=64, reps=2))
             adaptive = AdaptiveConfig(costs, overlapped=ccfg.num_micro_batches > 1)
         self.coordinator.config = dataclasses.replace(self.coordinator.config, eos_token_ids=eos, adaptive=adaptive)
         self.metrics = _Metrics(cfg, replica)

@@ -1,0 +1,54 @@
+"""Step-cost profiles for `--num-speculative-tokens auto`, measured once per model pair and machine.
+
+Profiling times the target at K + 1 = 1..9 tokens and the draft at a few batch sizes inside the
+actors: seconds of work that a job would repeat at every start, on every replica. The result
+depends only on the models, their dtypes, the devices the actors run on and the shapes timed,
+so it is kept in a small JSON file under `cache_dir()` keyed by exactly those, and read back by
+the next job with the same key. Delete the directory (or set RAYSD_CACHE_DIR) to measure again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable
+
+from raysd.engine.adaptive import StepCosts
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYSD_CACHE_DIR", Path.home() / ".cache" / "raysd")) / "step_costs"
+
+
+def machine() -> dict:
+    """What makes step times of the same models differ between hosts (the actors' devices are in the key too)."""
+    import torch
+
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def cached_step_costs(key: dict, measure: Callable[[], StepCosts]) -> tuple[StepCosts, bool]:
+    """(costs, True) from the cache when `key` (JSON-able) was profiled before here, else
+    (measure(), False) after storing it. An unreadable cache entry is measured again."""
+    blob = json.dumps({**key, "machine": machine()}, sort_keys=True)
+    path = cache_dir() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+    try:
+        stored = json.loads(path.read_text())
+        costs = StepCosts(tuple(stored["batch_sizes"]), tuple(map(tuple, stored["target_s"])), tuple(stored["draft_s"]))
+        return costs, True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**dataclasses.asdict(costs), "key": json.loads(blob)}))
+        tmp.replace(path)  # atomic: concurrent replicas never read half a file
+    except OSError:
+        pass  # a read-only home: profile every time, as before
+    return costs, False

@@ -1,0 +1,48 @@
+"""`-k auto` end to end: the step-cost profile is measured by the first job and read back by the
+next (issue 17 item 6), and the rows stay the target's greedy tokens whatever K is chosen."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from raysd.jobs import GenerateConfig, generate
+from tests.jobs.conftest import token_prompts
+from tests.jobs.test_eagle_job import greedy
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """Set before the module's Ray starts, so the replicas inherit it."""
+    path = tmp_path_factory.mktemp("raysd-cache")
+    old = os.environ.get("RAYSD_CACHE_DIR")
+    os.environ["RAYSD_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("RAYSD_CACHE_DIR")
+    else:
+        os.environ["RAYSD_CACHE_DIR"] = old
+
+
+def test_auto_profiles_once_and_keeps_greedy_output(cache_dir, tmp_path, model_dirs, local_ray):
+    target, draft = model_dirs[0], model_dirs[1]
+    prompts = token_prompts(6, seed=9)
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft,
+                         num_speculative_tokens="auto", max_new_tokens=8, batch_size=4, quiet=True)
+    generate(cfg)
+    (entry,) = (cache_dir / "step_costs").glob("*.json")
+    measured_at = entry.stat().st_mtime_ns
+    generate(GenerateConfig(**{**cfg.to_dict(), "overwrite": True}))
+    assert [p.name for p in (cache_dir / "step_costs").glob("*.json")] == [entry.name]
+    assert entry.stat().st_mtime_ns == measured_at  # read back, not measured again
+    model = tiny_model("llama", seed=0)
+    rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
+    assert [rows[i]["generated_token_ids"] for i in range(len(prompts))] == [greedy(model, p, 8) for p in prompts]
