@@ -37,6 +37,7 @@ ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be use
 # third is being tokenised. The stream holds at most this many blocks' rows (bounded memory).
 CONCURRENT_BLOCKS_PER_REPLICA = 3
 _IN_FLIGHT_PER_REPLICA = 2 * CONCURRENT_BLOCKS_PER_REPLICA  # blocks queued on each actor, running ones included
+_REPLICA_BUILD_ATTEMPTS = 3  # a replica's coordinator, started again when a model actor dies during its start
 
 
 # Ray's label every node carries with its own id (Ray Data pins its own per-job actors the same way).
@@ -296,7 +297,7 @@ class GenerateReplica:
         self.replica = None
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        self.tag = actor_id[-8:] if actor_id else "0"
+        self.actor_id, self.tag = actor_id, actor_id[-8:] if actor_id else "0"
         # The job's end removes the placement groups its replica actors created (release_job); a
         # restarted replica removes those of its previous incarnations now (remove_stale_placement_groups).
         if job_key and actor_id:
@@ -311,13 +312,28 @@ class GenerateReplica:
         return decode_json_value(value) if name in self.json_columns else value
 
     def _get_replica(self):
-        from raysd.jobs.replica import GenerationReplica
-
         with self._replica_lock:
             if self.replica is None:
-                self.replica = GenerationReplica(self.cfg, self.tag,
-                                                 max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
+                self.replica = self._build_replica()
             return self.replica
+
+    def _build_replica(self):
+        """A new GenerationReplica. A model actor lost while its coordinator starts (its process or
+        node dies: RayActorError, ActorUnavailableError included) fails the construction, which would
+        fail the block and with it the job (seen in the fault soak). So try again, after removing the
+        placement groups the failed try left (this actor runs no coordinator yet)."""
+        from raysd.jobs.replica import GenerationReplica
+
+        for attempt in range(1, _REPLICA_BUILD_ATTEMPTS + 1):
+            try:
+                return GenerationReplica(self.cfg, self.tag, max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
+            except RayActorError as exc:
+                if attempt == _REPLICA_BUILD_ATTEMPTS:
+                    raise
+                logger.warning("raysd: replica %s lost a model actor while starting (%s); starting again",
+                               self.tag, type(exc).__name__)
+                if self.actor_id is not None:
+                    remove_placement_groups(placement_groups_created_by({self.actor_id}))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from raysd.jobs.replica import error_output

@@ -221,3 +221,35 @@ def _restarted(actor, old_pid) -> bool:
         return ray.get(actor.info.remote(), timeout=5)[0] != old_pid
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
+
+
+def test_replica_starts_again_when_a_model_actor_dies_during_its_start(monkeypatch):
+    """The fault soak killed a draft actor while a (restarted) replica was building its coordinator:
+    `SpecCoordinator.__init__` raised ActorUnavailableError and the job failed. The replica now
+    starts its coordinator again (a bounded number of times) on RayActorError, of which
+    ActorUnavailableError is one."""
+    import pyarrow as pa
+    import ray
+
+    from raysd.jobs import pipeline, replica
+
+    failures = [ray.exceptions.ActorUnavailableError("its process died", None),
+                ray.exceptions.RayActorError()]
+    built = []
+
+    class Flaky:
+        def __init__(self, *args, **kwargs):
+            if failures:
+                raise failures.pop(0)
+            built.append(self)
+
+    monkeypatch.setattr(replica, "GenerationReplica", Flaky)
+    cfg = GenerateConfig(input="in.jsonl", output="out", draft="ngram")
+    stage = pipeline.GenerateReplica(cfg, pa.schema([]), frozenset())
+    assert stage._get_replica() is built[0] and not failures  # third try
+    assert stage._get_replica() is built[0]  # built once
+
+    failures[:] = [ray.exceptions.RayActorError()] * pipeline._REPLICA_BUILD_ATTEMPTS
+    again = pipeline.GenerateReplica(cfg, pa.schema([]), frozenset())
+    with pytest.raises(ray.exceptions.RayActorError):  # bounded: a replica that cannot start fails
+        again._get_replica()
