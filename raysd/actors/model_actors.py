@@ -153,6 +153,23 @@ class VerifyResult:
     features_nbytes: int = 0  # tensor bytes of the features sent apart to the draft actor (feature draft)
 
 
+def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
+    """The named target actor's vocabulary size, waiting while it (re)starts: a draft restarted at
+    the moment its target is restarting too must not fail its constructor (Ray never restarts an
+    actor whose constructor raised)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(ray.get_actor(name).get_vocab_size.remote(), timeout=30)
+        except (RayActorError, GetTimeoutError, ValueError):  # ValueError: no actor by that name (yet)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 class DraftActor:
     """`target_vocab_size`: an int, or the name of the (named) target actor, which the draft asks
     once its own model has loaded (so both load in parallel), and asks again after a restart.
@@ -165,9 +182,7 @@ class DraftActor:
         self.device = assigned_device()
         self.model = spec.model_factory().to(self.device).eval() if spec.model_factory else None
         if isinstance(target_vocab_size, str):  # the target actor's name
-            import ray
-
-            target_vocab_size = ray.get(ray.get_actor(target_vocab_size).get_vocab_size.remote())
+            target_vocab_size = _ask_target_vocab_size(target_vocab_size)
         self.target_vocab_size = target_vocab_size
         self.store = _MicroBatchStore(
             lambda limits: DraftSide(spec.build(self.model, target_vocab_size, self.device), limits, self.device))
