@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from raysd.distill.data import (encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data,
+from raysd.distill.data import (DistillResult, encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data,
                                 merge_teacher_meta, read_prompts, save_teacher_data, select_training_prompts,
                                 split_holdout)
 from raysd.models.layer_draft import CONFIG_FILE, build_draft, load_draft, save_draft
@@ -79,15 +79,6 @@ class DistillConfig:
             raise ValueError("an output directory is needed (or data_only)")
         if isinstance(self.train, dict):
             self.train = TrainConfig(**self.train)
-
-
-@dataclass
-class DistillResult:
-    output: str | None
-    draft: object | None
-    history: list[dict]
-    evaluation: dict | None
-    data: dict
 
 
 def _log(msg: str) -> None:

@@ -261,3 +261,26 @@ def merge_teacher_meta(metas: Sequence[dict]) -> dict:
         values = [m[k] for m in metas if k in m]
         merged[k] = values[0] if all(v == values[0] for v in values) else values
     return merged
+
+
+@dataclass
+class DistillResult:
+    """What `raysd distill` returns (either kind)."""
+
+    output: str | None
+    draft: object | None
+    history: list[dict]
+    evaluation: dict | None
+    data: dict
+
+
+def prompt_encoder(tokenizer, chat_template: bool):
+    """prompt -> token ids: ids as given, text through the tokenizer (and its chat template)."""
+
+    def encode(prompt):
+        if isinstance(prompt.text, (list, tuple)):
+            return [int(t) for t in prompt.text]
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (give token-id prompts for a target without one)")
+        return encode_prompt(tokenizer, prompt.text, chat_template and not prompt.raw)
+    return encode

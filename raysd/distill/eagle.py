@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from raysd.distill.data import Prompt, encode_prompt, read_prompts, select_training_prompts, split_holdout
+from raysd.distill.data import DistillResult, Prompt, prompt_encoder, read_prompts, select_training_prompts, split_holdout
 from raysd.distill.eagle_data import (code_prompts, generate_feature_data, load_feature_data, save_feature_data)
 
 
@@ -20,16 +20,6 @@ def split_prompts(cfg, prompts):
     kept = [p for p in prompts if p.task not in out_tasks]
     train, heldout = split_holdout(kept, cfg.holdout_per_task)
     return train, heldout + [p for p in prompts if p.task in out_tasks]
-
-
-def _encoder(tokenizer, chat_template: bool):
-    def encode(prompt):
-        if isinstance(prompt.text, (list, tuple)):
-            return [int(t) for t in prompt.text]
-        if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer (give token-id prompts for a target without one)")
-        return encode_prompt(tokenizer, prompt.text, chat_template and not prompt.raw)
-    return encode
 
 
 def build_feature_data(cfg, target, tokenizer, log):
@@ -49,7 +39,7 @@ def build_feature_data(cfg, target, tokenizer, log):
     prompts = [p for path in cfg.prompts for p in read_prompts(path)]
     train, heldout = split_prompts(cfg, prompts)
     code = code_prompts(cfg.code_prompts) if cfg.code_prompts else []
-    encode = _encoder(tokenizer, cfg.chat_template)
+    encode = prompt_encoder(tokenizer, cfg.chat_template)
     enc, tasks, skipped = select_training_prompts(
         train, lambda text: encode(Prompt(text, "", "")), cfg.max_prompt_tokens, max_per_task=cfg.max_prompts_per_task,
         skip_per_task=cfg.skip_prompts_per_task, max_prompts=cfg.max_prompts)
@@ -88,7 +78,6 @@ def build_feature_data(cfg, target, tokenizer, log):
 
 def distill_eagle(cfg, target=None, tokenizer=None, log=print):
     """The `--kind eagle` pipeline: teacher data with features, training, saving, optional evaluation."""
-    from raysd.distill.api import DistillResult
     from raysd.models.loading import ModelSpec, load_model, load_tokenizer
 
     t0 = time.perf_counter()
@@ -126,7 +115,6 @@ def eagle_head_vocabulary(examples, size: int, vocab_size: int, always=()) -> to
 
 
 def _train_and_save(cfg, target, tokenizer, examples, meta, log, t0):
-    from raysd.distill.api import DistillResult
     from raysd.distill.eagle_train import EagleTrainConfig, evaluate_eagle_loss, train_eagle, train_eagle_with_ray
     from raysd.models.eagle_draft import EagleDraft, save_eagle
     from raysd.models.loading import eos_token_ids, output_vocab_size

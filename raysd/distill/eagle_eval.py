@@ -196,7 +196,7 @@ def evaluate_eagle_heldout(target, draft, heldout_prompts, tokenizer, cfg, log=N
                            code_heldout: int = 8, per_task: int = 0) -> dict:
     """Generate held-out continuations at each of cfg.temperatures (Spec-Bench held-out prompts and
     held-out standard-library files), then evaluate_offline; plus the draft step cost."""
-    from raysd.distill.eagle import _encoder
+    from raysd.distill.data import prompt_encoder
     from raysd.distill.eagle_data import code_prompts, generate_feature_data
     from raysd.models.loading import eos_token_ids
 
@@ -208,7 +208,7 @@ def evaluate_eagle_heldout(target, draft, heldout_prompts, tokenizer, cfg, log=N
         prompts = [ps[int((i + 0.5) * len(ps) / min(per_task, len(ps)))] for ps in by.values() for i in range(min(per_task, len(ps)))]
     if code_heldout and tokenizer is not None:
         prompts += code_prompts(code_heldout, heldout=True)
-    encode = _encoder(tokenizer, cfg.chat_template)
+    encode = prompt_encoder(tokenizer, cfg.chat_template)
     enc = [encode(p) for p in prompts]
     keep = [i for i, e in enumerate(enc) if len(e) <= cfg.max_prompt_tokens]
     enc, tasks = [enc[i] for i in keep], [prompts[i].task for i in keep]
