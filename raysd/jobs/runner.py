@@ -116,9 +116,13 @@ def _init_ray(cfg: GenerateConfig) -> bool:
             raise JobError(f"cannot connect to Ray at {cfg.address or os.environ['RAY_ADDRESS']!r}: {str(exc).splitlines()[0]}") from None
         return True
     # Model actors ask for whole CPUs; a small machine still runs every replica (logical resources).
+    # One logical CPU more than the model actors' placement groups can take: Ray Data's streaming
+    # repartition asks for a CPU per task (it takes no ray_remote_args), and with every CPU held by
+    # the groups it would wait forever while the replicas wait for its blocks (a 2-core machine,
+    # seen on a resumed run).
     need = int(math.ceil(2 * cfg.replicas * cfg.num_cpus_per_actor))
     try:
-        start_local_ray(num_cpus=max(os.cpu_count() or 1, need), **quiet)
+        start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
     except LocalRayNotLoopback as exc:
         raise JobError(str(exc)) from None
     return True

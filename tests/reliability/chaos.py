@@ -38,6 +38,16 @@ def alive_pids(class_name: str) -> list[int]:
     return sorted(a["Pid"] for a in table.values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["Pid"])
 
 
+def restarted_pid(class_name: str, killed: int) -> int | None:
+    """The pid of a restarted actor of this class (any state now, NumRestarts > 0) other than `killed`."""
+    import ray
+
+    for a in ray._private.state.actors().values():
+        if a["ActorClassName"] == class_name and a.get("NumRestarts", 0) > 0 and a["Pid"] and a["Pid"] != killed:
+            return a["Pid"]
+    return None
+
+
 def alive_actors(class_name: str) -> list[dict]:
     """This Ray session's ALIVE actors of a class, from the GCS: Pid, NodeID, NumRestarts."""
     import ray
@@ -206,6 +216,8 @@ def kill_actor_mid_job(cfg, fault: str, min_rows_written: int = 1, timeout: floa
         fresh = [p for p in alive_pids(victim) if p != outcome.killed_pid]
         outcome.restarted_pid = fresh[0] if fresh else None
         time.sleep(0.05)
+    if outcome.restarted_pid is None:  # the job ended before a poll saw it: the GCS keeps the restarted actor's last pid
+        outcome.restarted_pid = restarted_pid(victim, outcome.killed_pid)
     summary = job.result(timeout)
     outcome.wall_s = time.monotonic() - start
     return outcome, summary
