@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from raysd.distill.data import Prompt
+from raysd.models.eagle_draft import final_norm
 
 
 @dataclass
@@ -44,15 +45,6 @@ class FeatureExample:
     def from_dict(d: dict) -> "FeatureExample":
         return FeatureExample(d["input_ids"].tolist(), int(d["prompt_len"]), d["features"], d["task"],
                               float(d.get("temperature", 0.0)))
-
-
-def final_norm(target) -> torch.nn.Module:
-    """The target's final norm (Llama family: model.norm), whose input is the last layer's output."""
-    base = target.base_model
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if isinstance(getattr(base, name, None), torch.nn.Module):
-            return getattr(base, name)
-    raise TypeError(f"{type(target).__name__}: no final norm found (expected .norm on the base model)")
 
 
 class FeatureRecorder:

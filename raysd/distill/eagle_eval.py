@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from raysd.distill.eagle_data import FeatureExample, final_norm
+from raysd.distill.eagle_data import FeatureExample
+from raysd.models.eagle_draft import final_norm
 from raysd.distill.eagle_train import ttt_mask
 
 

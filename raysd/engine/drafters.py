@@ -133,9 +133,7 @@ class DraftModelDrafter(Drafter):
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V'] draft logits -> [B, V] over the target's vocabulary, top-m applied."""
-        missing = self.target_vocab_size - logits.shape[-1]
-        if missing:
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], missing), float("-inf"))], dim=-1)
+        logits = _widen(logits, self.target_vocab_size)
         if 0 < self.draft_top_m < logits.shape[-1]:
             index = logits.topk(self.draft_top_m, dim=-1).indices  # [B, m]
             logits = torch.full_like(logits, float("-inf")).scatter_(-1, index, logits.gather(-1, index))

@@ -74,12 +74,14 @@ def _rms_norm(hidden_size: int, eps: float) -> nn.Module:
     return LlamaRMSNorm(hidden_size, eps=eps)
 
 
-def _final_norm(target) -> nn.Module:
+def final_norm(target) -> nn.Module:
+    """The target's final norm (Llama family: model.norm), whose input is the last layer's output:
+    the features an EAGLE draft reads."""
     base = target.base_model
     for name in ("norm", "final_layernorm", "ln_f"):
         if isinstance(getattr(base, name, None), nn.Module):
             return getattr(base, name)
-    raise TypeError(f"{type(target).__name__}: no final norm found")
+    raise TypeError(f"{type(target).__name__}: no final norm found (a feature draft needs a Llama-family target)")
 
 
 class EagleDraft(nn.Module):
@@ -113,7 +115,7 @@ class EagleDraft(nn.Module):
         tw = target.get_input_embeddings().weight.detach().float()
         embed = nn.Embedding(tw.shape[0], tw.shape[1])
         embed.weight = nn.Parameter(tw.clone(), requires_grad=False)
-        norm = copy.deepcopy(_final_norm(target)).float()
+        norm = copy.deepcopy(final_norm(target)).float()
         hw = target.get_output_embeddings().weight.detach().float()
         head_weight = embed.weight if hw.data_ptr() == target.get_input_embeddings().weight.data_ptr() else nn.Parameter(hw.clone(), requires_grad=False)
         if head_ids is not None:

@@ -15,15 +15,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from raysd.models.eagle_draft import EagleDraft
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    base = model.base_model
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if isinstance(getattr(base, name, None), nn.Module):
-            return getattr(base, name)
-    raise TypeError(f"{type(model).__name__}: no final norm found (a feature draft needs a Llama-family target)")
+from raysd.models.eagle_draft import EagleDraft, final_norm
 
 
 class FeatureTap:

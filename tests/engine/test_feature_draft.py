@@ -13,7 +13,7 @@ from raysd.engine.drafters import FeatureDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
 from raysd.models.eagle_draft import EagleDraft
-from raysd.models.features import final_norm
+from raysd.models.eagle_draft import final_norm
 from tests.conftest import VOCAB, tiny_model
 from tests.core.test_distribution import chi_square_pvalue, tv_tolerance
 from tests.engine.test_equivalence import hf_greedy, prompts
