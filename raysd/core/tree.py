@@ -86,8 +86,11 @@ def tree_rejection_sample(
         p = torch.where(reject[:, None], residual, p)
         # Accepted: emit x, move to node i, whose own target distribution comes next.
         p = torch.where(accept[:, None], target_probs[:, i + 1], p)
-        path_tokens[rows[accept], depth[accept]] = x[accept]
-        path_nodes[rows[accept], depth[accept]] = i
+        # Written with where, not boolean indexing: no nonzero, so nothing is read back to the host.
+        path_tokens[rows, depth] = torch.where(accept, x, path_tokens[rows, depth])
+        slot = depth.clamp(max=max(max_depth - 1, 0))  # [B] a row at full depth has no live node left
+        if max_depth:
+            path_nodes[rows, slot] = torch.where(accept, i, path_nodes[rows, slot])
         current = torch.where(accept, i, current)
         depth = depth + accept.long()
         tested = tested + live.long()

@@ -40,6 +40,7 @@ class Batch:
         self.finish = i64(0)  # 0 while running, else LENGTH or STOP
         # Statistics (SpecDecodeStats' fields, one entry per slot).
         self.steps, self.drafted, self.accepted, self.tested, self.k_sum, self.no_draft = (i64(0) for _ in range(6))
+        self.branch = i64(0)  # a tree's accepted nodes that were not a rank-0 child
         self.histogram, self.per_position = i64(0, K + 1), i64(0, K)
         self.overlap_sum = np.zeros(0)
 
@@ -71,7 +72,8 @@ class Batch:
         self.seeds = cat(self.seeds, [r.params.seed for r in reqs])
         zeros = lambda a: cat(a, np.zeros((n,) + a.shape[1:]))  # noqa: E731
         self.generated, self.finish = zeros(self.generated), zeros(self.finish)
-        for name in ("steps", "drafted", "accepted", "tested", "k_sum", "no_draft", "histogram", "per_position", "overlap_sum"):
+        for name in ("steps", "drafted", "accepted", "tested", "k_sum", "no_draft", "branch", "histogram", "per_position",
+                     "overlap_sum"):
             setattr(self, name, zeros(getattr(self, name)))
 
     def keep(self, order: Sequence[int]) -> None:
@@ -81,7 +83,7 @@ class Batch:
         self.ids = [self.ids[i] for i in order]
         self.outputs = [self.outputs[i] for i in order]
         for name in ("prompt_len", "generated", "max_new", "seeds", "stop_ids", "finish", "steps", "drafted", "accepted",
-                     "tested", "k_sum", "no_draft", "histogram", "per_position", "overlap_sum"):
+                     "tested", "k_sum", "no_draft", "branch", "histogram", "per_position", "overlap_sum"):
             setattr(self, name, getattr(self, name)[idx])
 
     def advance(self, kept: Sequence[Sequence[int]]) -> None:
@@ -125,6 +127,8 @@ class Batch:
         np.add.at(self.histogram, (rows, n_acc), 1)
         self.per_position += np.arange(K)[None, :] < n_acc[:, None]
         self.overlap_sum += verdict.overlap_sums()
+        if verdict.branch_accepts is not None:
+            self.branch += verdict.branch_accepts
         return kept
 
     def stats(self, b: int) -> SpecDecodeStats:
@@ -133,7 +137,7 @@ class Batch:
             num_accepted_draft_tokens=int(self.accepted[b]), acceptance_histogram=self.histogram[b].tolist(),
             accepted_per_position=self.per_position[b].tolist(), overlap_sum=float(self.overlap_sum[b]),
             num_tested_positions=int(self.tested[b]), speculation_length_sum=int(self.k_sum[b]),
-            num_steps_without_drafts=int(self.no_draft[b]),
+            num_steps_without_drafts=int(self.no_draft[b]), num_branch_accepts=int(self.branch[b]),
         )
 
     def result(self, b: int) -> GenerationResult:

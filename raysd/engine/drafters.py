@@ -17,11 +17,13 @@ import torch
 from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from raysd.core.tree_shape import TreeShape
 from raysd.engine.sequences import SequenceState
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import output_vocab_size
 from raysd.models.runners import make_runner
+from raysd.models.static_runner import StaticModelRunner
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Drafter(ABC):
     name: str
     vocab_size: int  # the width of draft_probs: the target's vocabulary
     needs_features = False  # True: `commit` also takes the target's features (FeatureDrafter)
+    supports_trees = False  # True: `propose_tree` and `commit_path` draft trees (DraftModelDrafter on a static runner)
 
     @abstractmethod
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
@@ -102,6 +105,8 @@ class DraftModelDrafter(Drafter):
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
         self.seqs = SequenceState(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size)))
+        self.supports_trees = isinstance(self.seqs.runner, StaticModelRunner)
+        self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)
 
     def add_rows(self, prompts):
         self.seqs.add_rows(prompts)
@@ -130,6 +135,77 @@ class DraftModelDrafter(Drafter):
                 logits = self.seqs.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
+
+    def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
+        """After a tree: the tokens each row emitted and the tree nodes its accepted path went through."""
+        self.seqs.commit_path(new_tokens, path, self._fed_depth)
+
+    def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,
+                     uniforms: torch.Tensor) -> Proposal:
+        """A tree of drafts per row: the first `shape.nodes_within(max_depths[b])` nodes of `shape`
+        (breadth first), drafted level by level, one draft forward per level but the deepest
+        (StaticModelRunner.forward_tree over the level's nodes, after the row's cache and the
+        levels above). `uniforms` is [B, >= shape.num_nodes]: node i's draw is uniforms[:, i].
+
+        A node's rank-0 child is drawn from the draft's distribution q after the node's path
+        (the row's temperature, top-k, top-p), with draft_probs = q, as a chain's draft; its
+        rank-r child (r >= 1) is the draft's r-th most likely token other than that draw, with a
+        one-hot draft_probs. Each child is a draw from its q or a function of its earlier
+        siblings, never of the verifier's draws, so multi-draft speculative sampling
+        (raysd.core.tree.tree_rejection_sample) stays exact (docs/trees.md). At temperature 0
+        the tree is EAGLE-2's top-k tree (Li et al. 2024, arXiv 2406.16858).
+
+        Returns a Proposal of [B, N] nodes, N the batch's largest tree; num_draft_tokens counts
+        each row's nodes.
+        """
+        B, device = len(max_depths), self.seqs.device
+        counts = [shape.nodes_within(int(d)) for d in max_depths]
+        N = max(counts, default=0)
+        self._fed_depth = 0
+        if N == 0:
+            return Proposal.empty(B, self.target_vocab_size, device)
+        zeros = torch.zeros(B, dtype=torch.int64, device=device)
+        logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), zeros, zeros + 1, 1)  # [B, 1, V']
+        parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=device).expand(B, N)  # [B, N]
+        num = torch.tensor(counts, dtype=torch.int64).to(device)  # [B]
+        levels = shape.levels(N)
+        tokens, probs = [], []
+        above = -1  # the first node of the level above (-1: the root)
+        for d, (s, e) in enumerate(levels):
+            t, q = self._draft_level(shape, s, e, above, logits, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            tokens.append(t)
+            probs.append(q)
+            if d + 1 < len(levels):  # the deepest level is verified, never fed
+                logits = self.seqs.feed_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
+                self._fed_depth = d + 1
+            above = s
+        return Proposal(torch.cat(tokens, dim=1), num, torch.cat(probs, dim=1), tuple(counts))
+
+    def _draft_level(self, shape: TreeShape, start: int, end: int, above: int, logits: torch.Tensor,
+                     sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft nodes start .. end - 1 (one level) from the logits [B, n, V'] at the level above,
+        whose first node is `above` (-1: the root, n = 1). Returns their tokens and draft_probs."""
+        B, n = logits.shape[:2]
+        level = range(start, end)
+        up = [shape.parents[i] - above for i in level]  # each node's parent, as an index into `logits`
+        rank = [shape.ranks[i] for i in level]
+        first = [0] * n  # the node whose draw is each parent's sample (its rank-0 child)
+        for i, u, r in zip(level, up, rank):
+            if r == 0:
+                first[u] = i
+        wide = self._draft_logits(logits.flatten(0, 1)).view(B, n, -1)  # [B, n, V]
+        q = logits_to_probs(wide, sampling)  # [B, n, V]
+        sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten()).view(B, n)  # [B, n]
+        candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
+        R = max(rank) + 1
+        if R > 1:
+            others = wide.scatter(-1, sampled[..., None], float("-inf")).topk(R - 1, dim=-1).indices  # [B, n, R - 1]
+            candidates = torch.cat([candidates, others], dim=-1)
+        up_t = torch.tensor(up, dtype=torch.int64, device=wide.device)  # [m]
+        rank_t = torch.tensor(rank, dtype=torch.int64, device=wide.device)  # [m]
+        tokens = candidates[:, up_t, rank_t]  # [B, m]
+        one_hot = torch.zeros(B, len(up), wide.shape[-1], device=wide.device).scatter_(-1, tokens[..., None], 1.0)
+        return tokens, torch.where((rank_t == 0)[None, :, None], q[:, up_t], one_hot)  # [B, m], [B, m, V]
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V'] draft logits -> [B, V] over the target's vocabulary, top-m applied."""

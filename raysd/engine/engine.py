@@ -39,10 +39,15 @@ class EngineConfig:
     # "exact" (default), or "relaxed:LAMBDA": verify against (1 - LAMBDA) target + LAMBDA draft
     # (raysd.core.rejection.rejection_sample; lossy, on Yin et al. 2024's quality-speed front).
     acceptance: str = "exact"
+    # P > 0: each step drafts a tree of at most P nodes per row, at most num_speculative_tokens
+    # deep, verified in one target pass (raysd.core.tree_shape, docs/trees.md); it needs the
+    # static runner on both models and a draft-model drafter. 0 (default): a chain of K drafts.
+    tree_budget: int = 0
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
         relax = parse_acceptance(self.acceptance)
+        check_tree_config(self, relax)
         if relax is not None and self.synthetic_acceptance_rate is not None:
             raise ValueError("synthetic_acceptance_rate and a relaxed acceptance cannot be combined")
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -57,6 +62,33 @@ class EngineConfig:
         if self.adaptive is not None and self.adaptive.costs.k_max < self.num_speculative_tokens:
             raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+def check_tree_config(config: EngineConfig, relax: float | None) -> None:
+    """What a tree refuses, in one line each (the drafter and the runners are checked by SpecEngine)."""
+    P = config.tree_budget
+    if isinstance(P, bool) or not isinstance(P, int) or not 0 <= P <= 256:
+        raise ValueError(f"tree_budget must be an int in 0..256 (0: a chain), got {P!r}")
+    if not P:
+        return
+    if config.runner == "dynamic":
+        raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
+    if config.num_speculative_tokens < 1:
+        raise ValueError("tree drafting needs num_speculative_tokens >= 1 (the tree's depth)")
+    if config.adaptive is not None:
+        raise ValueError("tree drafting does not choose K per step yet: use adaptive=None with tree_budget > 0")
+    if relax is not None or config.synthetic_acceptance_rate is not None:
+        raise ValueError("tree drafting verifies exactly: use acceptance='exact' and no synthetic_acceptance_rate")
+
+
+def tree_support_error(drafter: Drafter, verifier: TargetVerifier) -> str | None:
+    """Why this drafter and target cannot draft trees, or None."""
+    if not drafter.supports_trees:
+        return f"tree drafting needs the static runner and a draft-model drafter, not {type(drafter).__name__}" + (
+            " on the dynamic runner" if isinstance(drafter, DraftModelDrafter) else "")
+    if not verifier.supports_trees:
+        return "tree drafting needs the static runner for the target (a Llama-family model: llama, qwen2, mistral)"
+    return None
 
 
 def parse_acceptance(rule: str) -> float | None:
@@ -97,6 +129,8 @@ class SpecEngine:
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
         verifier = TargetVerifier(target, config.runner, features=drafter.needs_features)
+        if config.tree_budget and (error := tree_support_error(drafter, verifier)):
+            raise ValueError(error)
         self.config = config
         self.vocab_size = verifier.vocab_size
         limits = [max_model_len(target)] + ([config.max_model_len] if config.max_model_len else [])
@@ -123,7 +157,7 @@ class SpecEngine:
                 stacklevel=2,
             )
         row_limits = RowLimits(config.num_speculative_tokens, self.max_model_len, config.eos_token_ids,
-                               feature_draft=drafter.needs_features)
+                               feature_draft=drafter.needs_features, tree_budget=config.tree_budget)
         self.target_side = TargetSide(verifier, row_limits, config.synthetic_acceptance_rate, self.relax, config.acceptance)
         self.draft_side = DraftSide(drafter, row_limits, verifier.seqs.device)
 
@@ -173,7 +207,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         outcome = self.target_side.verify(proposal, k)
         t2 = time.perf_counter()
-        self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep, outcome.features)
+        self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep, outcome.features, outcome.path)
         if self.k_controller is not None:
             self.k_controller.observe_all(outcome.step_overlap, outcome.step_tested)
         self.timings.draft_s += t1 - t0

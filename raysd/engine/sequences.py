@@ -26,6 +26,7 @@ class SequenceState:
         self.pending: list[list[int]] = []
         self.cached: list[int] = []  # host copy of runner.lengths after each commit (read nothing back)
         self._spec: list[tuple[torch.Tensor, torch.Tensor, Sequence[int] | None]] = []  # fed drafts: ids, counts, host counts
+        self._head = 0  # 1 while a fed tree starts with the rows' pending tokens (feed_tree), else 0
 
     @property
     def device(self) -> torch.device:
@@ -101,6 +102,53 @@ class SequenceState:
             self.pending[b] = self.pending[b] + list(new[keep:])
         lengths = torch.tensor(self.cached, dtype=torch.int64, device=self.device)
         self.runner.rollback(lengths, max(self.cached, default=0))
+
+    def feed_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                  start: int = 0) -> torch.Tensor:
+        """Feed tree nodes start .. start + T - 1 after each row's cached tokens
+        (StaticModelRunner.forward_tree); nothing is kept until `commit_path`.
+
+        Args:
+            tokens: [B, T] the nodes' token ids.
+            parents: [B, start + T] parent of every node so far, -1 for the tree's root.
+            num_nodes: [B] real nodes among the T (a prefix).
+        Returns:
+            [B, T, V] logits at the nodes; on the first call (start 0) of a state whose rows each
+            have one pending token, [B, T + 1, V]: that token is fed as the tree's head (node 0,
+            the root's place), so the first logits are those after it and the target scores
+            the pending token and the whole tree in one forward.
+        """
+        B = tokens.shape[0]
+        if start == 0:
+            pending = {len(p) for p in self.pending}
+            assert pending <= {0} or pending == {1}, "a tree follows one pending token per row, or none"
+            self._head = int(pending == {1})
+            if self._head:
+                head = torch.tensor(self.pending, dtype=torch.int64).to(self.device)  # [B, 1]
+                tokens, num_nodes = torch.cat([head, tokens], dim=1), num_nodes + 1
+                self.pending = [[] for _ in range(B)]
+        h = self._head
+        parents = torch.where(parents >= 0, parents + h, h - 1)  # the head is the root's children's parent
+        if h:
+            parents = torch.cat([parents.new_full((B, 1), -1), parents], dim=1)
+        return self.runner.forward_tree(tokens, parents, num_nodes, start + h if start else 0)
+
+    def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]], fed_depth: int) -> None:
+        """After `feed_tree`: make `new_tokens[b]` the next committed tokens of row b. The cache
+        keeps the tree's head and the first nodes of the row's accepted path (node indices
+        `path[b]`), as many as were fed (`fed_depth` levels) and committed; the runner copies
+        only that branch (StaticModelRunner.keep_path). The rest of the new tokens are pending."""
+        h = self._head
+        keeps = [min(len(p), fed_depth, len(new) - 1) for p, new in zip(path, new_tokens)]
+        nodes = torch.full((len(keeps), h + max(keeps, default=0)), -1, dtype=torch.int64)
+        for b, (new, p, keep) in enumerate(zip(new_tokens, path, keeps)):
+            assert new, "every row commits at least one token"
+            nodes[b, : h + keep] = torch.as_tensor(list(range(h)) + [n + h for n in p[:keep]], dtype=torch.int64)
+            self.cached[b] += h + keep
+            self.pending[b] = self.pending[b] + list(new[keep:])
+        counts = torch.tensor([h + k for k in keeps], dtype=torch.int64)
+        self.runner.keep_path(nodes.to(self.device), counts.to(self.device), max(self.cached, default=0))
+        self._head = 0
 
     def _speculative_lists(self) -> list[list[int]]:
         rows: list[list[int]] = [[] for _ in range(self.runner.num_rows)]

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from raysd.core.sampling import SamplingTensors
+from raysd.core.tree_shape import TreeShape, tree_shape
 from raysd.engine.batch import Batch
 from raysd.engine.drafters import Drafter, Proposal
 from raysd.engine.rows import GenerationResult, Request, fill_holes, step_uniforms
-from raysd.engine.verifier import TargetVerifier
+from raysd.engine.verifier import TargetVerifier, Verdict
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,20 @@ class RowLimits:
     # A feature draft (EAGLE) drafts from the target's features, which a row has only after its
     # first target pass (the prefill runs on the target side): its first step offers no drafts.
     feature_draft: bool = False
+    # P > 0: draft a tree of at most P nodes per row per step, at most K deep (tree_shape(P, K));
+    # 0: a chain of K drafts.
+    tree_budget: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 64 or self.max_model_len < 2:
             raise ValueError(f"need 0 <= num_speculative_tokens <= 64 and max_model_len >= 2, got {self}")
+        if self.tree_budget < 0 or (self.tree_budget and self.num_speculative_tokens < 1):
+            raise ValueError(f"need tree_budget >= 0, and num_speculative_tokens >= 1 for a tree, got {self}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    def tree(self) -> TreeShape | None:
+        """The draft tree both sides grow each step, or None for a chain."""
+        return tree_shape(self.tree_budget, self.num_speculative_tokens) if self.tree_budget else None
 
     def batch(self) -> Batch:
         return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids, self.feature_draft)
@@ -71,6 +81,8 @@ class StepOutcome:
     # For a feature draft: each row's target features [n, H] of the positions it cached for good since
     # the last outcome (a new row's prompt, then its pending tokens and accepted drafts); else None.
     features: tuple[torch.Tensor, ...] | None = None
+    # For a tree: the nodes each row's accepted path went through (the draft keeps that branch); else None.
+    path: tuple[tuple[int, ...], ...] | None = None
 
 
 class DraftSide:
@@ -84,6 +96,7 @@ class DraftSide:
     def __init__(self, drafter: Drafter, limits: RowLimits, device: torch.device | str):
         self.drafter, self.limits, self.device = drafter, limits, torch.device(device)
         self.batch = limits.batch()  # seeds, budgets and tokens generated; its statistics stay unused
+        self.tree = limits.tree()
         # Each row's tokens while the drafter holds none; None once warm (a feature draft is never
         # cold: it follows the target's features from a row's first step).
         self.cold: list[list[int]] | None = None if drafter.needs_features else []
@@ -102,7 +115,8 @@ class DraftSide:
         self._sampling = None
 
     def propose(self, k: int) -> Proposal:
-        """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws."""
+        """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws; with a
+        tree, its nodes at most min(k, room) deep (DraftModelDrafter.propose_tree)."""
         K = self.limits.num_speculative_tokens
         offered = np.minimum(self.batch.room(), k)  # [B]
         if self.cold is not None:
@@ -112,12 +126,17 @@ class DraftSide:
             self.cold = None
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
+        if self.tree is not None:
+            N = self.tree.num_nodes
+            uniforms = step_uniforms(self.batch.seeds, self.batch.generated, N, self.device)[:, :N]  # [B, N]
+            return self.drafter.propose_tree(self.tree, offered.tolist(), self._sampling, uniforms)
         uniforms = step_uniforms(self.batch.seeds, self.batch.generated, K, self.device)[:, :K]  # [B, K]
         return self.drafter.propose(offered.tolist(), self._sampling, uniforms)
 
     def commit(self, kept: Sequence[Sequence[int]], accepted: Sequence[int], keep: Sequence[int] | None,
-               features: Sequence[torch.Tensor] | None = None) -> None:
-        """Apply the target's decision: the tokens kept (roll back the rest), then the rows kept."""
+               features: Sequence[torch.Tensor] | None = None, path: Sequence[Sequence[int]] | None = None) -> None:
+        """Apply the target's decision: the tokens kept (roll back the rest; with a tree, keep the
+        accepted branch), then the rows kept."""
         self.batch.advance(kept)
         if self.drafter.needs_features:
             assert features is not None, "a feature draft needs the target's features in every outcome"
@@ -125,7 +144,10 @@ class DraftSide:
             if keep is not None:
                 self.drafter.select(keep)
         elif self.cold is None:
-            self.drafter.commit(kept, accepted)
+            if path is None:
+                self.drafter.commit(kept, accepted)
+            else:
+                self.drafter.commit_path(kept, path)
             if keep is not None:
                 self.drafter.select(keep)
         else:
@@ -149,6 +171,7 @@ class TargetSide:
         self.verifier, self.limits = verifier, limits
         self.synthetic_rate, self.relax, self.acceptance = synthetic_rate, relax, acceptance
         self.batch = limits.batch()
+        self.tree = limits.tree()
         self._sampling: SamplingTensors | None = None
         # Feature draft only: each row's prompt features, until its first outcome carries them.
         self._prompt_features: list[torch.Tensor | None] | None = [] if verifier.tap is not None else None
@@ -170,25 +193,40 @@ class TargetSide:
     def verify(self, proposal: Proposal, k: int) -> StepOutcome:
         """One target pass over every row's drafts, the rejection test, one read-back; emit up to
         each row's stop condition, roll the cache back to what was kept, retire finished rows."""
-        batch, K = self.batch, self.limits.num_speculative_tokens
+        batch = self.batch
         offered = np.minimum(batch.room(), k)  # [B] what the draft side was allowed (statistics)
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(batch.params, self.device)
-        uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
-        Kp = proposal.draft_token_ids.shape[1]
-        out = self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
-                                   self.synthetic_rate, self.relax)
-        verdict = out.read_back()
+        verdict = self._verdict(proposal)
         kept = batch.emit(verdict, offered)
         accepted = verdict.num_accepted.tolist()
         features = self._features(accepted)
-        self.verifier.commit(kept, accepted)
+        path = verdict.paths()
+        if path is None:
+            self.verifier.commit(kept, accepted)
+        else:
+            self.verifier.commit_path(kept, path)
         finished, keep = self._retire()
         return StepOutcome(
             tuple(map(tuple, kept)), tuple(accepted), keep, finished,
             tuple(batch.overlap_sum.tolist()), tuple(batch.tested.tolist()), tuple(batch.room().tolist()),
             float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()), features,
+            None if path is None else tuple(map(tuple, path)),
         )
+
+    def _verdict(self, proposal: Proposal) -> Verdict:
+        """The target pass and the rejection test of a chain (or a tree), read back in one copy."""
+        batch = self.batch
+        if self.tree is not None:
+            N, n = self.tree.num_nodes, proposal.draft_token_ids.shape[1]
+            uniforms = step_uniforms(batch.seeds, batch.generated, N, self.device)  # [B, 2N + 1]
+            return self.verifier.verify_tree(proposal, self.tree, self._sampling, uniforms[:, N : N + n],
+                                             uniforms[:, 2 * N]).read_back()
+        K = self.limits.num_speculative_tokens
+        uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
+        Kp = proposal.draft_token_ids.shape[1]
+        return self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
+                                    self.synthetic_rate, self.relax).read_back()
 
     def _features(self, accepted: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
         """A feature draft's part of the outcome: new rows' prompt features, then every row's

@@ -11,10 +11,13 @@ from transformers import PreTrainedModel
 
 from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_target_overlap, rejection_sample
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from raysd.core.tree import TreeOutput, tree_rejection_sample
+from raysd.core.tree_shape import TreeShape
 from raysd.engine.drafters import Proposal
 from raysd.engine.sequences import SequenceState
 from raysd.models.features import FeatureTap
 from raysd.models.runners import make_runner
+from raysd.models.static_runner import StaticModelRunner
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,21 @@ class Verdict:
     num_tested: np.ndarray  # [B] positions whose rejection test ran
     num_drafted: np.ndarray  # [B] drafts proposed
     overlaps: np.ndarray  # [B, K] float64 sum_x min(target_probs, draft_probs); meaningful below num_tested
+    # A tree's verdict (TreeVerifyOutput) also has, per row, the node at each accepted depth
+    # ([B, D], -1 past num_accepted) and how many accepted nodes were not a rank-0 child.
+    path_nodes: np.ndarray | None = None
+    branch_accepts: np.ndarray | None = None
 
     def overlap_sums(self) -> np.ndarray:
         """[B] the overlaps summed over each row's tested positions."""
         tested = np.arange(self.overlaps.shape[1])[None, :] < self.num_tested[:, None]  # [B, K]
         return np.where(tested, self.overlaps, 0.0).sum(axis=1)
+
+    def paths(self) -> list[list[int]] | None:
+        """A tree's accepted nodes per row (host lists), or None for a chain."""
+        if self.path_nodes is None:
+            return None
+        return [row[:n].tolist() for row, n in zip(self.path_nodes, self.num_accepted)]
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,53 @@ class VerifyOutput:
         tokens = [v.tokens[b, : v.num_accepted[b] + 1].tolist() for b in range(len(v.tokens))]
         overlaps = [v.overlaps[b, : v.num_tested[b]].tolist() for b in range(len(v.tokens))]
         return tokens, v.num_tested.tolist(), v.num_accepted.tolist(), overlaps
+
+
+@dataclass(frozen=True)
+class TreeVerifyOutput:
+    tree: TreeOutput
+    overlap: torch.Tensor  # [B, D] overlaps of the rank-0 children along the accepted path (path_overlaps)
+    num_tested: torch.Tensor  # [B] how many of them were tested
+    num_draft_tokens: torch.Tensor  # [B] nodes per row
+    branch_accepts: torch.Tensor  # [B] accepted nodes that are not a rank-0 child
+
+    def read_back(self) -> Verdict:
+        """As VerifyOutput.read_back, in one copy: tokens, counts, overlaps and the accepted nodes."""
+        t = self.tree
+        W = t.output_token_ids.shape[1]  # D + 1
+        D = W - 1
+        packed = torch.cat([
+            t.output_token_ids.double(),  # [B, D + 1]
+            torch.stack([t.num_accepted, self.num_tested, self.num_draft_tokens, self.branch_accepts], dim=1).double(),
+            self.overlap.double(),  # [B, D]
+            t.accepted_nodes.double(),  # [B, D]
+        ], dim=1).cpu().numpy()
+        counts = packed[:, W : W + 4].astype(np.int64)
+        return Verdict(packed[:, :W].astype(np.int64), counts[:, 0], counts[:, 1], counts[:, 2],
+                       packed[:, W + 4 : W + 4 + D], packed[:, W + 4 + D :].astype(np.int64), counts[:, 3])
+
+
+def path_overlaps(shape: TreeShape, tree: TreeOutput, num_nodes: torch.Tensor, draft_probs: torch.Tensor,
+                  target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain's evidence for alpha_estimate, read off a tree: at each node of the accepted
+    path (the root first), sum_x min(target_probs, draft_probs) of its rank-0 child, the one
+    drawn from the draft and tested first, against the untouched target. Returns [B, D]
+    overlaps and [B] how many were tested (a prefix: the accepted depth, plus one where the
+    path's last node has a child)."""
+    B, N = draft_probs.shape[:2]
+    D = tree.accepted_nodes.shape[1]
+    device = target_probs.device
+    first = torch.tensor(shape.first_children(N), dtype=torch.int64, device=device)  # [N + 1]
+    root = torch.full((B, 1), -1, dtype=torch.int64, device=device)
+    at = torch.cat([root, tree.accepted_nodes], dim=1)[:, :D]  # [B, D] the path's node at depth d
+    child = first[at + 1]  # [B, D] its rank-0 child, -1 if none
+    d = torch.arange(D, device=device)[None, :]
+    tested = (d <= tree.num_accepted[:, None]) & (child >= 0) & (child < num_nodes[:, None])  # [B, D]
+    V = target_probs.shape[-1]
+    p = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V]
+    q = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V]
+    overlap = torch.where(tested, torch.minimum(p, q).sum(dim=-1), 0.0)  # [B, D]
+    return overlap, tested.sum(dim=1)
 
 
 class TargetVerifier:
@@ -99,6 +159,38 @@ class TargetVerifier:
 
     def commit(self, new_tokens: Sequence[Sequence[int]], num_accepted: Sequence[int] | None = None) -> None:
         self.seqs.commit(new_tokens, num_accepted)
+
+    @property
+    def supports_trees(self) -> bool:
+        return isinstance(self.seqs.runner, StaticModelRunner) and self.tap is None
+
+    def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
+        """After `verify_tree`: keep each row's pending token and accepted branch (the target fed them all)."""
+        self.seqs.commit_path(new_tokens, path, fed_depth=max(map(len, path), default=0))
+
+    def verify_tree(
+        self,
+        proposal: Proposal,  # [B, N] nodes of `shape`, breadth first; num_draft_tokens: nodes per row
+        shape: TreeShape,
+        sampling: SamplingTensors,
+        accept_uniforms: torch.Tensor,  # [B, N]
+        final_uniforms: torch.Tensor,  # [B]
+    ) -> TreeVerifyOutput:
+        """One target forward over each row's pending token and its tree (N + 1 logits:
+        StaticModelRunner.forward_tree with the pending token as the tree's head), then multi-draft
+        speculative sampling (raysd.core.tree.tree_rejection_sample: SpecInfer's MSS, Miao et al.
+        2024, Algorithm 2, with EAGLE-2's rule for one-hot candidates)."""
+        ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
+        B, N = ids.shape
+        parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=self.seqs.device).expand(B, N)  # [B, N]
+        logits = self.seqs.feed_tree(ids, parents, num)  # [B, N + 1, V]
+        target_probs = logits_to_probs(logits, sampling)  # [B, N + 1, V]
+        tree = tree_rejection_sample(parents, ids, num, proposal.draft_probs, target_probs, accept_uniforms,
+                                     final_uniforms, max_depth=shape.depth_of(N))
+        overlap, tested = path_overlaps(shape, tree, num, proposal.draft_probs, target_probs)
+        ranks = torch.tensor((0,) + shape.ranks[:N], dtype=torch.int64, device=self.seqs.device)  # [N + 1]
+        branch = (ranks[tree.accepted_nodes + 1] > 0).sum(dim=1)  # [B]; -1 (past the path) reads rank 0
+        return TreeVerifyOutput(tree, overlap, tested, num, branch)
 
     def verify(
         self,

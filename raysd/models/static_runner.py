@@ -182,15 +182,19 @@ class StaticModelRunner:
         return out.logits[:, -keep:, : self.vocab_size].float()  # [B, keep, V]
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                     start: int = 0) -> torch.Tensor:
         """Append a tree of candidate tokens to every row and return the logits at every node.
 
         Args:
-            tokens: [B, T] token ids; node t of row b is tokens[b, t].
-            parents: [B, T] int64 chunk-local parent (-1: the row's last cached token), parents[b, t] < t.
-            num_nodes: [B] real nodes per row (a prefix of the T).
+            tokens: [B, T] token ids of nodes start .. start + T - 1; node t of row b is tokens[b, t - start].
+            parents: [B, start + T] int64 tree-local parent of every node so far (-1: the row's last
+                cached token), parents[b, t] < t.
+            num_nodes: [B] real nodes among the T (a prefix of them).
+            start: nodes of this tree already written by earlier calls (a tree drafted level by
+                level): the new nodes attend to their ancestors among them.
         Returns:
-            [B, T, V] float32: logits after each node's path (context, ancestors, the node).
+            [B, T, V] float32: logits after each new node's path (context, ancestors, the node).
 
         Node t sits at RoPE position length + depth(t) - 1 and is written at column length + t,
         so siblings never share a column. The rows' lengths do not move: `keep_path` then keeps
@@ -199,17 +203,19 @@ class StaticModelRunner:
         from raysd.core.tree import tree_attention_mask, tree_depths
 
         B, T = tokens.shape
-        assert parents.shape == (B, T) and num_nodes.shape == (B,) and B == self.num_rows
+        N = start + T
+        assert parents.shape == (B, N) and num_nodes.shape == (B,) and B == self.num_rows
         self._reserve(self._bound + T)
         width = self._attended(self._bound + T)
         lengths = self.lengths  # [B]
         valid = torch.arange(T, device=self.device)[None, :] < num_nodes[:, None]  # [B, T]
-        positions = lengths[:, None] + tree_depths(parents) - 1  # [B, T]
-        write = torch.where(valid, lengths[:, None] + torch.arange(T, device=self.device), self.max_cache_len)  # [B, T]
+        positions = lengths[:, None] + tree_depths(parents)[:, start:] - 1  # [B, T]
+        columns = lengths[:, None] + torch.arange(start, N, device=self.device)  # [B, T]
+        write = torch.where(valid, columns, self.max_cache_len)  # [B, T]
         cols = torch.arange(width, device=self.device)[None, None, :]  # [1, 1, W]
         rel = cols - lengths[:, None, None]  # [B, 1, W] column -> node index
-        ancestors = tree_attention_mask(parents)  # [B, T, T]
-        in_tree = (rel >= 0) & (rel < T) & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, width))  # [B, T, W]
+        ancestors = tree_attention_mask(parents)[:, start:]  # [B, T, N]
+        in_tree = (rel >= 0) & (rel < N) & ancestors.gather(2, rel.clamp(0, N - 1).expand(B, T, width))  # [B, T, W]
         allowed = torch.where(valid[..., None], (rel < 0) | in_tree, cols == 0)  # [B, T, W]
         logits = self._run(slice(0, B), tokens, positions, write, allowed, T, width)
         self._bound += T
@@ -224,6 +230,8 @@ class StaticModelRunner:
         B, D = nodes.shape
         assert counts.shape == (B,) and B == self.num_rows
         if D == 0:
+            if max_length is not None:
+                self._bound = max_length
             return
         lengths = self.lengths
         j = torch.arange(D, device=self.device)[None, :]  # [1, D]
