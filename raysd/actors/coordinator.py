@@ -49,7 +49,7 @@ from raysd.actors.model_actors import (
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.engine import LossyAcceptanceWarning, parse_acceptance
+from raysd.engine.engine import LossyAcceptanceWarning, check_tree_config, parse_acceptance
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import RowLimits, StepOutcome
 from raysd.models.runners import check_runner_kind
@@ -93,10 +93,12 @@ class CoordinatorConfig:
     adaptive: AdaptiveConfig | None = None
     runner: str = "auto"  # the target's KV cache (raysd.models.runners); the draft's is DrafterSpec.runner
     acceptance: str = "exact"  # or "relaxed:LAMBDA" (lossy; raysd.engine.engine.EngineConfig.acceptance)
+    tree_budget: int = 0  # P > 0: draft trees of at most P nodes (raysd.engine.engine.EngineConfig.tree_budget)
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        parse_acceptance(self.acceptance)
+        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens, self.adaptive is not None,
+                          parse_acceptance(self.acceptance) is not None)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -193,6 +195,8 @@ class SpecCoordinator:
     """
 
     def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig):
+        if config.tree_budget and (drafter.model_factory is None or drafter.runner == "dynamic"):
+            raise ValueError("tree drafting needs the static runner and a draft-model drafter")
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         self._k_controller: KController | None = None
@@ -221,6 +225,10 @@ class SpecCoordinator:
         self.vocab_size = self.target_info.vocab_size
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+        if config.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
+            self.shutdown()
+            raise ValueError("tree drafting needs the static runner and a draft-model drafter "
+                             "(Llama-family target and draft models, not an EAGLE draft)")
         if parse_acceptance(config.acceptance) is not None:
             warnings.warn(f"RELAXED ACCEPTANCE ({config.acceptance}): outputs do NOT follow the target distribution "
                           "exactly", LossyAcceptanceWarning, stacklevel=2)
@@ -230,7 +238,8 @@ class SpecCoordinator:
         """What both actors cap and stop rows by; read at each micro-batch's start, so a replaced
         config (e.g. the EOS ids, known once the tokenizer has loaded) applies to later rows."""
         cfg = self.config
-        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids, self.draft_info.feature_draft)
+        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids, self.draft_info.feature_draft,
+                         cfg.tree_budget)
 
     @property
     def k_controller(self) -> KController | None:
@@ -399,7 +408,7 @@ class SpecCoordinator:
         new = tuple(mb.new)
         last = mb.last
         if last is not None:
-            draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new)
+            draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new, last.path)
         else:
             draft_update = MicroBatchUpdate(limits, new_rows=new)
         target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision

@@ -32,6 +32,7 @@ from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
+from raysd.models.static_runner import supports_static
 from raysd.models.profile import time_forward
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
@@ -86,6 +87,7 @@ class MicroBatchUpdate:
     accepted: tuple[int, ...] = ()
     keep: tuple[int, ...] | None = None
     new_rows: tuple[tuple[int, Request], ...] = ()
+    path: tuple[tuple[int, ...], ...] | None = None  # a tree's accepted nodes per row (StepOutcome.path)
 
     def __post_init__(self) -> None:
         if self.limits is not None and (self.kept or self.keep is not None):
@@ -109,7 +111,7 @@ class _MicroBatchStore:
             raise MicroBatchStateLost(f"no state for micro-batch {mb} in process {os.getpid()}")
         side = self.states[mb]
         if update.kept or update.keep is not None:
-            side.commit(update.kept, update.accepted, update.keep, features)
+            side.commit(update.kept, update.accepted, update.keep, features, update.path)
         if update.new_rows:
             side.add(update.new_rows)
         return side
@@ -136,6 +138,7 @@ class ActorInfo:
     vocab_size: int
     max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
     feature_draft: bool = False  # the draft reads the target's features (EAGLE)
+    supports_trees: bool = False  # a model on the static runner that can draft or verify trees
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ class DraftActor:
             limit = 2**31 - 1
         else:
             limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
-        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature)
+        trees = self.model is not None and not feature and self.spec.runner != "dynamic" and supports_static(self.model)
+        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
 
     def propose(self, mb: int, update: MicroBatchUpdate, k: int,
                 features: tuple[torch.Tensor, ...] | None = None) -> tuple[WireProposal, DraftMeta]:
@@ -222,6 +226,7 @@ class TargetActor:
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact"):
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
+        self.runner = runner
         relax = parse_acceptance(acceptance)
         self.store = _MicroBatchStore(lambda limits: TargetSide(
             TargetVerifier(self.model, runner, features=limits.feature_draft), limits, relax=relax, acceptance=acceptance))
@@ -236,7 +241,8 @@ class TargetActor:
         return out
 
     def info(self) -> ActorInfo:
-        return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model))
+        trees = self.runner != "dynamic" and supports_static(self.model)
+        return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees)
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

@@ -47,7 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
         relax = parse_acceptance(self.acceptance)
-        check_tree_config(self, relax)
+        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens, self.adaptive is not None,
+                          relax is not None or self.synthetic_acceptance_rate is not None)
         if relax is not None and self.synthetic_acceptance_rate is not None:
             raise ValueError("synthetic_acceptance_rate and a relaxed acceptance cannot be combined")
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -64,20 +65,21 @@ class EngineConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 
-def check_tree_config(config: EngineConfig, relax: float | None) -> None:
-    """What a tree refuses, in one line each (the drafter and the runners are checked by SpecEngine)."""
-    P = config.tree_budget
+def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int, adaptive: bool, inexact: bool) -> None:
+    """What a tree refuses, in one line each (EngineConfig, CoordinatorConfig); the drafter and the
+    models' runners are checked once they exist (tree_support_error)."""
+    P = tree_budget
     if isinstance(P, bool) or not isinstance(P, int) or not 0 <= P <= 256:
         raise ValueError(f"tree_budget must be an int in 0..256 (0: a chain), got {P!r}")
     if not P:
         return
-    if config.runner == "dynamic":
+    if runner == "dynamic":
         raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
-    if config.num_speculative_tokens < 1:
+    if num_speculative_tokens < 1:
         raise ValueError("tree drafting needs num_speculative_tokens >= 1 (the tree's depth)")
-    if config.adaptive is not None:
-        raise ValueError("tree drafting does not choose K per step yet: use adaptive=None with tree_budget > 0")
-    if relax is not None or config.synthetic_acceptance_rate is not None:
+    if adaptive:
+        raise ValueError("tree drafting does not choose K per step yet: use a fixed K (no adaptive) with tree_budget > 0")
+    if inexact:
         raise ValueError("tree drafting verifies exactly: use acceptance='exact' and no synthetic_acceptance_rate")
 
 

@@ -1,0 +1,52 @@
+"""Draft trees through the Ray actors (CoordinatorConfig.tree_budget): the draft actor grows the
+tree, the target actor verifies it, and the accepted branch travels back in the step's outcome.
+Greedy output is the target's own; seeded samples are the single-process engine's."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
+from raysd.actors.model_actors import DrafterSpec
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
+from tests.conftest import EOS, VOCAB, tiny_model
+
+pytestmark = pytest.mark.slow
+CPU = ActorResources(num_cpus=1, num_gpus=0)
+K, P = 4, 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    start_ray()
+    yield
+    ray.shutdown()
+
+
+def test_tree_through_the_actors_matches_the_target_and_the_engine():
+    prompts = random_prompts(8, seed=6)
+    greedy = requests(prompts[:4], max_new_tokens=12)
+    sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=12))
+               for i, p in enumerate(prompts[4:])]
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
+                            target_resources=CPU, tree_budget=P)
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
+        out = c.generate(greedy + sampled)
+    target = tiny_model("llama", 0)
+    assert [r.token_ids for r in out.results[:4]] == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
+    engine = SpecEngine(target, DraftModelDrafter(tiny_model("llama", 1), VOCAB), EngineConfig(K, 3, (EOS,), tree_budget=P))
+    assert [r.token_ids for r in out.results[4:]] == [r.token_ids for r in engine.generate(sampled)]
+    assert all(r.stats.mean_nodes_verified > 1 for r in out.results)
+
+
+def test_trees_refuse_what_they_cannot_draft():
+    with pytest.raises(ValueError, match="static runner"):
+        CoordinatorConfig(tree_budget=4, runner="dynamic")
+    with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model drafter"):
+        SpecCoordinator(factory("llama", 0), DrafterSpec(), CoordinatorConfig(tree_budget=4, draft_resources=CPU,
+                                                                              target_resources=CPU))
