@@ -39,6 +39,7 @@ class GenerateConfig:
     draft_dtype: str = "float32"
     num_speculative_tokens: int | str = 4  # or "auto": K in 0..AUTO_MAX_K chosen each step for goodput
     acceptance: str = "exact"  # or "relaxed:LAMBDA": lossy, Yin et al. 2024 (EngineConfig.acceptance)
+    tree_budget: int = 0  # P > 0: a draft tree of at most P nodes per row per step, K deep (EngineConfig.tree_budget)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -76,6 +77,12 @@ class GenerateConfig:
             need(dtype in _DTYPES, f"{flag} must be one of {sorted(_DTYPES)}, got {dtype!r}")
         k = self.num_speculative_tokens
         need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
+        P = self.tree_budget
+        need(isinstance(P, int) and 0 <= P <= 256, f"--tree-budget must be in 0..256 (0: a chain), got {P!r}")
+        need(not P or self.draft_is_model, f"--tree-budget needs a draft model (--draft MODEL), not {self.draft!r}")
+        need(not P or self.num_speculative_tokens != AUTO, "--tree-budget needs a fixed --num-speculative-tokens (the tree's depth), not auto")
+        need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
+        need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")
         need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         need(self.temperature >= 0 and self.temperature == self.temperature, f"--temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
@@ -119,6 +126,8 @@ class GenerateConfig:
         fingerprint = {k: getattr(self, k) for k in keys}
         if self.acceptance != "exact":  # absent when exact, so outputs written before the flag still resume
             fingerprint["acceptance"] = self.acceptance
+        if self.tree_budget:  # likewise absent for a chain
+            fingerprint["tree_budget"] = self.tree_budget
         return fingerprint
 
     def to_dict(self) -> dict:

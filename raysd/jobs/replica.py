@@ -181,7 +181,7 @@ def error_output(cfg: GenerateConfig, row_id: Any, message: str) -> dict:
         "generated_text": None, "generated_token_ids": [], "num_prompt_tokens": 0, "num_generated_tokens": 0,
         "finish_reason": "error", "error": message, **SpecDecodeStats(k).to_dict(),
         "target_model": cfg.target, "draft_model": cfg.draft, "num_speculative_tokens": k,
-        "acceptance": cfg.acceptance, "seed": row_seed(cfg.seed, row_id), "latency_s": 0.0,
+        "acceptance": cfg.acceptance, "tree_budget": cfg.tree_budget, "seed": row_seed(cfg.seed, row_id), "latency_s": 0.0,
     }
 
 
@@ -233,6 +233,7 @@ class GenerationReplica:
             placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
             acceptance=cfg.acceptance,
+            tree_budget=cfg.tree_budget,
         )
         self.coordinator = SpecCoordinator(functools.partial(load_model, target_spec), drafter, ccfg)
         thread.join()
@@ -353,6 +354,7 @@ class GenerationReplica:
             "draft_model": self.cfg.draft,
             "num_speculative_tokens": self.K,
             "acceptance": self.cfg.acceptance,
+            "tree_budget": self.cfg.tree_budget,
             "seed": seed,
             "latency_s": latency if finish_reason != "error" else 0.0,
         }

@@ -28,11 +28,15 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("alpha_estimate", pa.float64()),
     pa.field("mean_speculation_length", pa.float64()),  # K offered per step (varies under --num-speculative-tokens auto)
     pa.field("num_steps_without_drafts", pa.int32(), nullable=False),  # steps with K = 0 (plain decoding)
+    pa.field("mean_nodes_verified", pa.float64()),  # draft nodes the target verified per step (a chain: drafts)
+    pa.field("mean_accepted_depth", pa.float64()),  # depth of the accepted path per step (a chain: drafts accepted)
+    pa.field("num_branch_accepts", pa.int32(), nullable=False),  # accepted tree nodes other than the draft's sample (0: chain)
     # Provenance.
     pa.field("target_model", pa.string(), nullable=False),
     pa.field("draft_model", pa.string(), nullable=False),  # a model, "ngram" or "none"
     pa.field("num_speculative_tokens", pa.int32(), nullable=False),
     pa.field("acceptance", pa.string(), nullable=False),  # the verification rule: exact, or relaxed:LAMBDA (lossy)
+    pa.field("tree_budget", pa.int32(), nullable=False),  # P: draft tree nodes per step (0: a chain of K drafts)
     pa.field("seed", pa.int64(), nullable=False),  # the row's effective seed
     # Timing.
     pa.field("latency_s", pa.float64(), nullable=False),  # from the row's batch start to its last token
