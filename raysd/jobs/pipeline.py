@@ -575,6 +575,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
     # Blocks of --batch-size rows (streaming, no shuffle): one generation task each, spread over the
     # replicas, whatever the input's files and block sizes are.
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    _repartition_needs_no_cpu(ds)
     ds = ds.map_batches(
         GenerateReplica,
         fn_constructor_args=(cfg, schema, source.json_columns, stats, job_key),
@@ -589,6 +590,24 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
         **GENERATION_STAGE_OPTIONS,
     )
     return ds
+
+
+def _repartition_needs_no_cpu(ds) -> None:
+    """The streaming repartition's tasks ask for no CPU, as the read and write tasks do (IO_TASK_CPUS).
+
+    Ray Data gives a map task 1 CPU unless told otherwise, and `Dataset.repartition` takes no
+    `ray_remote_args`. When the model actors' placement groups hold every CPU of the cluster (2
+    replicas of 1+1 CPUs on 4 CPUs), a repartition task that comes after they were placed waits
+    forever, and so do the replicas that wait for its blocks: a resumed run on a two-node cluster
+    hung so (the fault soak, issue 22). The logical operator's `ray_remote_args` are read when the
+    plan is executed; set num_cpus=0 there (Ray 2.60's `StreamingRepartition`)."""
+    op = ds._logical_plan.dag
+    args = getattr(op, "ray_remote_args", None)
+    if type(op).__name__ != "StreamingRepartition" or not isinstance(args, dict):  # a Ray that changed it
+        logger.warning("raysd: cannot set the repartition's CPUs to 0 (%s); a cluster whose CPUs the model "
+                       "actors take entirely may stall", type(op).__name__)
+        return
+    args["num_cpus"] = 0
 
 
 def write_on_driver(ds, sink: PartsSink) -> None:

@@ -2,7 +2,9 @@
 
 A trial runs a real `raysd.jobs.generate` job (in a background thread, on the test's local
 Ray) or a real `python -m raysd generate` driver (a subprocess), SIGKILLs one process while
-the job runs, and returns what the output holds.
+the job runs, and returns what the output holds. The randomized fault soak (`--soak-kills N`)
+runs every job attempt as its own `python -m raysd generate --address ...` driver on the soak's
+cluster, as a user's re-run would be.
 """
 
 from __future__ import annotations
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gap-s", type=float, default=6.0, help="soak: most time between two kills")
     p.add_argument("--seed", type=int, default=0, help="soak: the random choices of victims and times")
     p.add_argument("--json", default=None, help="soak: append every kill and round as JSON lines here")
+    p.add_argument("--job-timeout-s", type=float, default=900.0,
+                   help="soak: a job attempt's driver still running this long after its start is killed (a hang)")
     a = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="raysd-chaos-"))
     target, draft = root / "target", root / "draft"
@@ -363,16 +367,89 @@ def _write_task_pids() -> list[int]:
     return sorted(pids)
 
 
+def _alive_actor_ids(class_name: str) -> set[str]:
+    import ray
+
+    return {i for i, a in ray._private.state.actors().items() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"}
+
+
+class DriverJob:
+    """One job attempt as its own driver process, `python -m raysd generate ... --address A --json`,
+    as a user runs it (the CLI, `ray job submit`): when it ends, failed or not, Ray ends the actors
+    and placement groups it owned (a failed job's replica actors included, which Ray Data may leave
+    running in a driver that lives on). stdout and stderr go to `log` + .out / .err.
+
+    Has the part of JobThread's interface the soak uses: is_alive(), join(timeout), error, summary.
+    """
+
+    def __init__(self, args: list[str], address: str, log: Path):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.out_path, self.err_path = log.with_suffix(".out"), log.with_suffix(".err")
+        self.started = time.monotonic()
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            # Its own process group: a hung driver is SIGKILLed with anything it started.
+            self.proc = subprocess.Popen([sys.executable, "-m", "raysd", "generate", *args, "--address", address,
+                                          "--json", "--quiet"], cwd=ROOT, env=env, stdout=out, stderr=err,
+                                         start_new_session=True)
+        self.summary: dict | None = None
+        self.error: str | None = None
+        self.wall_s = 0.0
+        self.connected_s: float | None = None  # from the start to the job's JobStats being up (the soak's kills wait for it)
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return
+        self._finish()
+
+    def kill(self, why: str) -> None:
+        """SIGKILL the driver's process group (a hung job); Ray then ends the job's actors and groups."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(60)
+        self._finish()
+        self.error = why
+
+    def _finish(self) -> None:
+        if self.wall_s:
+            return
+        self.wall_s = round(time.monotonic() - self.started, 1)
+        rc = self.proc.returncode
+        lines = self.out_path.read_text().strip().splitlines()
+        if rc == 0 and lines:
+            try:
+                self.summary = json.loads(lines[-1])
+                return
+            except json.JSONDecodeError:
+                pass
+        if rc is not None and rc < 0:
+            self.error = f"driver killed by signal {-rc}"
+            return
+        err = [line.strip() for line in self.err_path.read_text().splitlines() if line.strip()]
+        said = [line for line in err if line.startswith("raysd generate:")]  # the CLI's one-line failure
+        last = said[-1] if said else (err[-1] if err else "")
+        self.error = f"driver exit {rc}: {last[:400]}"
+
+
 class FaultSoak:
-    """Jobs on a simulated two-node cluster (head: the driver's node, plus one worker), each killed at
+    """Jobs on a simulated two-node cluster (head: the drivers' node, plus one worker), each killed at
     random times, by victim chosen at random, until it ends; a job that fails is re-run (it resumes).
 
-    A node kill first adds a replacement worker (as an autoscaler would), then SIGKILLs the old
-    worker's raylet and everything on it. Every job's output is compared with the clean tokens.
+    Every job attempt is its own driver process (DriverJob), connected to the cluster; this process
+    only starts the cluster, kills and reads the outputs. A node kill first adds a replacement worker
+    (as an autoscaler would), then SIGKILLs the old worker's raylet and everything on it. Every
+    job's output is compared with the clean tokens.
     """
 
     def __init__(self, cluster, worker, rng, log):
         self.cluster, self.worker, self.rng, self.log = cluster, worker, rng, log
+        self.driver: DriverJob | None = None  # the running attempt, for a clean stop
 
     def kill(self, victim: str) -> dict | None:
         """Kill one process (or the worker node) of kind `victim`; None if there is none right now."""
@@ -396,17 +473,26 @@ class FaultSoak:
             return None
         return {"victim": victim, "pid": pid}
 
-    def run_job(self, cfg, max_kills: int, gap_s: tuple[float, float],
-                wait_s: float = 30.0) -> tuple[list[dict], list[str], str | None]:
-        """One job with kills at random times until it ends: (kills, victims missed, the job's error).
+    def run_job(self, args: list[str], log: Path, max_kills: int, gap_s: tuple[float, float],
+                wait_s: float = 30.0, timeout_s: float = 900.0) -> tuple[list[dict], list[str], DriverJob]:
+        """One job attempt (a new driver) with kills at random times until it ends: (kills, victims
+        missed, the ended DriverJob: its .error is None when it finished).
 
         Each kill picks its kind at random, then waits (up to `wait_s`) for a process of that kind:
         right after a node's loss, say, the model actors are restarting and there is none to kill.
         Taking whatever kind is alive instead would skew the kills toward the always-present
-        ones (the node, JobStats)."""
-        job = JobThread(cfg)
+        ones (the node, JobStats). A driver still running `timeout_s` after its start is killed
+        (its process group) and counts as a failed attempt ("the job hung")."""
+        known = {a for a in _alive_actor_ids("JobStats")}
+        job = self.driver = DriverJob(args, self.cluster.address, log)
         kills: list[dict] = []
         missed: list[str] = []
+        # The kills start once the job is on Ray (its JobStats is up), not while the new driver
+        # process imports torch: an in-process job is there at once.
+        while max_kills and job.is_alive() and not _alive_actor_ids("JobStats") - known:
+            job.join(0.2)
+        if max_kills:
+            job.connected_s = round(time.monotonic() - job.started, 1)
         while job.is_alive() and len(kills) < max_kills:
             job.join(self.rng.uniform(*gap_s))
             victim = self.rng.choice(SOAK_VICTIMS)
@@ -424,21 +510,27 @@ class FaultSoak:
             done["t"] = round(time.monotonic(), 1)
             kills.append(done)
             self.log({"kill": done})
-        job.join(900)
+        job.join(max(1.0, timeout_s - (time.monotonic() - job.started)))
         if job.is_alive():
-            return kills, missed, "the job hung"
-        error = None if job.error is None else f"{type(job.error).__name__}: {str(job.error).splitlines()[0][:300]}"
-        return kills, missed, error
+            job.kill(f"the job hung (driver killed after {timeout_s:.0f}s)")
+        self.driver = None
+        return kills, missed, job
+
+    def stop(self) -> None:
+        if self.driver is not None and self.driver.is_alive():
+            self.driver.kill("soak stopped")
 
 
 def soak_main(a, root: Path, inp: Path, expected: dict, target: Path, draft: Path) -> int:
-    """The randomized fault soak: rounds of one job each until `a.soak_kills` kills were made."""
+    """The randomized fault soak: rounds of one job each until `a.soak_kills` kills were made.
+
+    A round's first attempt and every re-run are separate driver processes (`python -m raysd
+    generate --address <the soak's cluster>`), as a user's would be; a re-run resumes the output."""
     import dataclasses
     import random
 
     import ray
 
-    from raysd.jobs import GenerateConfig
     from tests.reliability.conftest import read_rows
 
     rng = random.Random(a.seed)
@@ -452,34 +544,58 @@ def soak_main(a, root: Path, inp: Path, expected: dict, target: Path, draft: Pat
             sink.write(line + "\n")
             sink.flush()
 
-    cluster = start_cluster(head_cpus=2)
+    cluster = start_cluster(head_cpus=2)  # this process connects too: it reads the GCS's actor table
     worker = add_worker(cluster, num_cpus=2)
+
+    def stop(signum, frame):  # SIGTERM: end the running driver, then the cluster (finally below)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the clean-up short
+        raise SystemExit(f"soak stopped by signal {signum}")
+
+    # Set after the cluster's start: Ray's head node installs its own handler, which drains the
+    # head for 30 s and leaves the worker nodes and the running driver to chance.
+    signal.signal(signal.SIGTERM, stop)
     soak = FaultSoak(cluster, worker, rng, log)
+    node = getattr(ray._private.worker, "_global_node", None)  # the session dir names this soak's Ray processes
+    log({"soak": {"cluster": cluster.address, "session_dir": node.get_session_dir_path() if node else None,
+                  "pid": os.getpid(), "workdir": str(root), "argv": sys.argv[1:]}})
     kills = 0
     started = time.monotonic()
     try:
         round_no = 0
         while kills < a.soak_kills:
             out = root / f"soak-{round_no}"
-            cfg = GenerateConfig(input=str(inp), output=str(out), id_column="key", target=str(target), draft=str(draft),
-                                 max_new_tokens=a.max_new_tokens, batch_size=4, rows_per_file=8, quiet=True, replicas=2)
-            made, missed, error = soak.run_job(cfg, min(a.kills_per_job, a.soak_kills - kills), (a.min_gap_s, a.max_gap_s))
+            args = ["--input", str(inp), "--output", str(out), "--id-column", "key", "--target", str(target),
+                    "--draft", str(draft), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
+                    "--rows-per-file", "8", "--replicas", "2"]
+            made, missed, job = soak.run_job(args, root / f"driver-{round_no}-0", min(a.kills_per_job, a.soak_kills - kills),
+                                             (a.min_gap_s, a.max_gap_s), timeout_s=a.job_timeout_s)
             kills += len(made)
+            error = job.error
+            attempts = [{"kills": len(made), "error": error, "wall_s": job.wall_s, "connected_s": job.connected_s}]
             reruns, rerun_errors = 0, []
-            while error is not None and reruns < 3:  # the same command again: it resumes
+            while error is not None and reruns < 3:  # the same command again, a new driver: it resumes
                 reruns += 1
                 rerun_errors.append(error)
-                error = soak.run_job(cfg, 0, (0, 0))[2]
+                before = part_rows(out)
+                job = soak.run_job(args, root / f"driver-{round_no}-{reruns}", 0, (0, 0), timeout_s=a.job_timeout_s)[2]
+                error = job.error
+                s = job.summary or {}
+                attempts.append({"kills": 0, "error": error, "wall_s": job.wall_s, "rows_in_parts_before": before,
+                                 "rows_this_run": s.get("rows_this_run"), "rows_skipped": s.get("rows_skipped"),
+                                 "resumed": error is None and s.get("rows_this_run") == len(expected) - before})
             o = compare(Outcome("soak", len(expected)), read_rows(out), "key", expected)
             record = {"round": round_no, "kills": [k["victim"] for k in made], "missed": missed, "survived": reruns == 0,
-                      "reruns": reruns, "failed": error, "errors": rerun_errors,
+                      "reruns": reruns, "failed": error, "errors": rerun_errors, "attempts": attempts,
                       **{k: v for k, v in dataclasses.asdict(o).items() if k in ("rows_in", "rows_out", "lost", "duplicated", "token_mismatches", "error_rows")},
                       "elapsed_s": round(time.monotonic() - started, 1)}
             records.append(record)
             log({"round_done": record})
             round_no += 1
-        log({"table": soak_table(records), "wall_s": round(time.monotonic() - started, 1)})
     finally:
+        soak.stop()
+        if records:  # also when stopped early: the table of the rounds that ended
+            log({"table": soak_table(records), "wall_s": round(time.monotonic() - started, 1),
+                 "complete": kills >= a.soak_kills})
         ray.shutdown()
         cluster.shutdown()
         if sink is not None:
@@ -501,6 +617,8 @@ def soak_table(records: list[dict]) -> dict:
             "jobs": len(records),
             "jobs_survived": sum(r["survived"] for r in records),
             "jobs_resumed_by_rerun": sum(1 for r in records if not r["survived"] and r["failed"] is None),
+            "reruns": sum(r["reruns"] for r in records),
+            "reruns_that_resumed": sum(1 for r in records for t in r.get("attempts", [])[1:] if t.get("resumed")),
             "jobs_failed_after_reruns": sum(1 for r in records if r["failed"] is not None),
             "rows_lost": sum(r["lost"] for r in records), "rows_doubled": sum(r["duplicated"] for r in records),
             "token_mismatches": sum(r["token_mismatches"] for r in records),

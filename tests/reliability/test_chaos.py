@@ -129,6 +129,27 @@ def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
     release_job(job_key)
 
 
+def test_no_pipeline_stage_asks_for_a_cpu(job_input, local_ray, tmp_path):
+    """The model actors' placement groups may hold every CPU of a cluster (2 replicas of 1+1 CPUs on
+    two 2-CPU nodes, the fault soak's). A stage task that asks for a CPU then waits forever, and the
+    replicas wait for its blocks: the fault soak's resumed run hung so on the streaming repartition
+    (Ray Data gives a map task 1 CPU by default, and `repartition` takes no ray_remote_args). Every
+    operator of the pipeline asks for none (the write's are runner's IO_TASK_CPUS, also 0)."""
+    from raysd.jobs.io import IO_TASK_CPUS
+    from raysd.jobs.pipeline import build_dataset
+    from raysd.jobs.runner import check_job
+
+    inp, _ = job_input
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), draft="ngram")
+    source, _, schema = check_job(cfg)
+    op, cpus = build_dataset(source, cfg, schema, set())._logical_plan.dag, {}
+    while op is not None:
+        cpus[type(op).__name__ + ":" + op.name] = op.ray_remote_args.get("num_cpus")
+        op = op.input_dependencies[0] if op.input_dependencies else None
+    assert any(name.startswith("StreamingRepartition") for name in cpus), cpus
+    assert set(cpus.values()) == {0} and IO_TASK_CPUS == 0, cpus
+
+
 def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
     """JobStats (the progress counts) is the one raysd actor of a job besides the stages. Its loss
     must never end the job (issue 22): it lives on the driver's node, Ray restarts it if its
