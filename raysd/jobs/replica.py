@@ -226,8 +226,10 @@ class GenerationReplica:
             draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor or 0.01, num_gpus=0)
         ccfg = CoordinatorConfig(
             num_speculative_tokens=self.K,
-            micro_batch_size=max(1, math.ceil(cfg.batch_size / 2)),
-            num_micro_batches=2,
+            # One micro-batch until the step costs say two pay (below): a model-free drafter has
+            # nothing to overlap, and halving the batch would only slow the target.
+            micro_batch_size=cfg.batch_size,
+            num_micro_batches=1,
             draft_resources=draft_res,
             target_resources=ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus),
             placement_strategy=cfg.placement_strategy,
@@ -244,22 +246,29 @@ class GenerationReplica:
         # The EOS ids are known only now (the tokenizer loaded beside the models); rows read them at admission.
         import dataclasses
 
-        adaptive = None
-        if cfg.adaptive_speculation:
-            from raysd.engine.adaptive import AdaptiveConfig
-
-            # Step costs measured in the actors at the batch sizes this replica will run;
-            # the coordinator overlaps draft and verify, hence the overlapped cost model.
-            sizes = sorted({1, ccfg.micro_batch_size})
+        adaptive, micro = None, 1
+        if cfg.draft_is_model or cfg.adaptive_speculation:
+            from raysd.engine.adaptive import AdaptiveConfig, choose_k, num_micro_batches
             from raysd.jobs.profiles import cached_step_costs
 
+            # Step costs measured in the actors at the batch sizes this replica may run (cached per
+            # models and machine): they choose one or two micro-batches, and K under `-k auto`.
+            half = max(1, math.ceil(cfg.batch_size / 2))  # a model-free drafter never splits the batch
+            sizes = sorted({1, half, cfg.batch_size} if cfg.draft_is_model else {1, cfg.batch_size})
             c = self.coordinator
             key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
                    "devices": [c.target_info.device, c.draft_info.device], "k_max": self.K, "batch_sizes": sizes,
                    "context": 64, "reps": 2}
             costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(self.K, sizes, context=64, reps=2))
-            adaptive = AdaptiveConfig(costs, overlapped=ccfg.num_micro_batches > 1)
-        self.coordinator.config = dataclasses.replace(self.coordinator.config, eos_token_ids=eos, adaptive=adaptive)
+            k = self.K
+            if cfg.adaptive_speculation:  # the K a batch of rows at the prior acceptance would get
+                k = choose_k([AdaptiveConfig(costs).prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, AdaptiveConfig(costs))
+            micro = num_micro_batches(costs, cfg.batch_size, k) if cfg.draft_is_model else 1
+            if cfg.adaptive_speculation:
+                adaptive = AdaptiveConfig(costs, overlapped=micro > 1)
+        self.coordinator.config = ccfg = dataclasses.replace(
+            self.coordinator.config, micro_batch_size=math.ceil(cfg.batch_size / micro), num_micro_batches=micro,
+            eos_token_ids=eos, adaptive=adaptive)
         self.metrics = _Metrics(cfg, replica)
         # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
         # block take slots as soon as rows of the last one free them. Bounded: by default three

@@ -272,7 +272,8 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
     from raysd.jobs.pipeline import occupancy, time_breakdown
 
     shorter = min(live.get("draft_busy_s", 0.0), live.get("target_busy_s", 0.0))
-    overlap = (live["draft_busy_s"] + live["target_busy_s"] - live["wall_s"]) / shorter if shorter > 0 else None
+    # Only a draft model has work to overlap (a model-free drafter runs in one micro-batch).
+    overlap = (live["draft_busy_s"] + live["target_busy_s"] - live["wall_s"]) / shorter if shorter > 0 and cfg.draft_is_model else None
     rows, reasons = store.value_counts("finish_reason")
     return JobSummary(
         output=cfg.output,

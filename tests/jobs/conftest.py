@@ -26,13 +26,20 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(tmp_path_factory):
+    # Replicas with a draft model profile step costs into RAYSD_CACHE_DIR: a fresh directory,
+    # set before Ray starts so its workers inherit it (unless a module's fixture set its own).
+    own_cache = "RAYSD_CACHE_DIR" not in os.environ
+    if own_cache:
+        os.environ["RAYSD_CACHE_DIR"] = str(tmp_path_factory.mktemp("raysd-cache"))
     # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head, which
     # a plain ray.init(num_cpus=...) would try to join (and fail).
     if not ray.is_initialized():
         start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
+    if own_cache:
+        os.environ.pop("RAYSD_CACHE_DIR")
 
 
 def token_prompts(n: int, seed: int = 0, max_len: int = 8) -> list[list[int]]:
