@@ -138,7 +138,7 @@ class ActorInfo:
     vocab_size: int
     max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
     feature_draft: bool = False  # the draft reads the target's features (EAGLE)
-    supports_trees: bool = False  # a model on the static runner that can draft or verify trees
+    supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class DraftActor:
             limit = 2**31 - 1
         else:
             limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
-        trees = self.model is not None and not feature and self.spec.runner != "dynamic" and supports_static(self.model)
+        trees = self.model is None or (not feature and self.spec.runner != "dynamic" and supports_static(self.model))
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
 
     def propose(self, mb: int, update: MicroBatchUpdate, k: int,

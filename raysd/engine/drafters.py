@@ -216,12 +216,17 @@ class DraftModelDrafter(Drafter):
         return logits
 
 
+MAX_NGRAM_BRANCHES = 8  # earlier occurrences whose continuations a tree may hold
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup: copy the tokens that followed the most recent earlier occurrence
     of the row's last n tokens (n from max_ngram down to min_ngram), in prompt and output.
-    Drafts are deterministic, so draft_probs is one-hot."""
+    Drafts are deterministic, so draft_probs is one-hot. With a tree, the continuations of
+    several earlier occurrences are its branches (`propose_tree`)."""
 
     name = "ngram"
+    supports_trees = True
 
     def __init__(self, vocab_size: int, device="cpu", min_ngram: int = 1, max_ngram: int = 3):
         if not 1 <= min_ngram <= max_ngram:
@@ -255,6 +260,12 @@ class NgramDrafter(Drafter):
         return Proposal(ids, num, probs, tuple(counts))
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        continuations = self.continuations(tokens, k, 1)
+        return continuations[0] if continuations else []
+
+    def continuations(self, tokens: Sequence[int], k: int, limit: int) -> list[list[int]]:
+        """Up to k tokens after each of the `limit` most recent earlier occurrences of the row's
+        longest matching suffix (n from max_ngram down to min_ngram), most recent first."""
         if k <= 0 or len(tokens) < 2:
             return []
         seq = np.asarray(tokens, dtype=np.int64)
@@ -262,9 +273,52 @@ class NgramDrafter(Drafter):
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # earlier n-grams
             hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n  # the most recent occurrence
-                return seq[start : start + k].tolist()
+                return [seq[h + n : h + n + k].tolist() for h in hits[::-1][:limit]]
         return []
+
+    def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
+        self.commit(new_tokens)
+
+    def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,
+                     uniforms: torch.Tensor) -> Proposal:
+        """Several matched continuations as branches: each row's tree holds the continuations
+        of the most recent earlier occurrences of its suffix (`tree_tokens`), on `shape`'s nodes
+        at most max_depths[b] deep, cut at the depth they reach. Deterministic candidates with
+        one-hot draft_probs: EAGLE-2's rule verifies them exactly, whatever they are."""
+        B = len(max_depths)
+        N = max((shape.nodes_within(int(d)) for d in max_depths), default=0)
+        if N == 0:
+            return Proposal.empty(B, self.vocab_size, self.device)
+        ids = torch.zeros(B, N, dtype=torch.int64)
+        counts = []
+        for b, (row, d) in enumerate(zip(self.history, max_depths)):
+            tokens = self.tree_tokens(row, shape, int(d))
+            ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            counts.append(len(tokens))
+        ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
+        probs = torch.zeros(B, N, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
+        return Proposal(ids, num, probs, tuple(counts))
+
+    def tree_tokens(self, tokens: Sequence[int], shape: TreeShape, depth: int) -> list[int]:
+        """Tokens of `shape`'s first nodes: node (r_1, .., r_d) holds the r_d-th distinct next token,
+        most recent first, of the continuations that agree with its parent's path, so the rank-0
+        chain is the chain's draft (`lookup`). A node with no such token repeats its previous
+        sibling (a repeat of a rejected one-hot candidate is rejected for sure) or, for a rank-0
+        node, its parent's token. Cut after the deepest level a continuation reaches."""
+        pools = {-1: self.continuations(tokens, depth, MAX_NGRAM_BRANCHES)}  # node -> agreeing continuations
+        out: list[int] = []
+        reach = 0
+        for i in range(shape.nodes_within(depth)):
+            up, rank, d = shape.parents[i], shape.ranks[i], shape.depths[i]
+            pool = [c for c in pools[up] if len(c) >= d]
+            nexts = list(dict.fromkeys(c[d - 1] for c in pool))  # distinct, most recent first
+            if rank < len(nexts):
+                out.append(nexts[rank])
+                reach = d
+            else:
+                out.append(out[i - 1] if rank else (out[up] if up >= 0 else int(tokens[-1])))
+            pools[i] = [c for c in pool if rank < len(nexts) and c[d - 1] == out[i]]
+        return out[: shape.nodes_within(reach)]
 
 
 class FeatureDrafter(Drafter):

@@ -41,7 +41,7 @@ class EngineConfig:
     acceptance: str = "exact"
     # P > 0: each step drafts a tree of at most P nodes per row, at most num_speculative_tokens
     # deep, verified in one target pass (raysd.core.tree_shape, docs/trees.md); it needs the
-    # static runner on both models and a draft-model drafter. 0 (default): a chain of K drafts.
+    # static runner and a draft-model (or n-gram) drafter. 0 (default): a chain of K drafts.
     tree_budget: int = 0
 
     def __post_init__(self) -> None:
@@ -86,7 +86,7 @@ def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int
 def tree_support_error(drafter: Drafter, verifier: TargetVerifier) -> str | None:
     """Why this drafter and target cannot draft trees, or None."""
     if not drafter.supports_trees:
-        return f"tree drafting needs the static runner and a draft-model drafter, not {type(drafter).__name__}" + (
+        return f"tree drafting needs the static runner and a draft-model or n-gram drafter, not {type(drafter).__name__}" + (
             " on the dynamic runner" if isinstance(drafter, DraftModelDrafter) else "")
     if not verifier.supports_trees:
         return "tree drafting needs the static runner for the target (a Llama-family model: llama, qwen2, mistral)"

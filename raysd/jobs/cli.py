@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft) per drafted token; Yin et al. 2024); each row records its rule (default: exact)")
     m.add_argument("--tree-budget", type=int, default=0,
                    help="P > 0: each step drafts a tree of at most P nodes per row, at most K deep, verified in one "
-                        "target pass, exactly (a draft model on the static runner: Llama-family models; docs/trees.md); "
+                        "target pass, exactly (a draft model on the static runner, or ngram's several matches; Llama-family "
+                        "target; docs/trees.md); "
                         "0: a chain of K drafts (default: 0)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
     m.add_argument("--allow-pickle-weights", action="store_true",

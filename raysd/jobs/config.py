@@ -79,7 +79,7 @@ class GenerateConfig:
         need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
         P = self.tree_budget
         need(isinstance(P, int) and 0 <= P <= 256, f"--tree-budget must be in 0..256 (0: a chain), got {P!r}")
-        need(not P or self.draft_is_model, f"--tree-budget needs a draft model (--draft MODEL), not {self.draft!r}")
+        need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model or ngram), not none")
         need(not P or self.num_speculative_tokens != AUTO, "--tree-budget needs a fixed --num-speculative-tokens (the tree's depth), not auto")
         need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
         need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")

@@ -47,6 +47,16 @@ def test_tree_through_the_actors_matches_the_target_and_the_engine():
 def test_trees_refuse_what_they_cannot_draft():
     with pytest.raises(ValueError, match="static runner"):
         CoordinatorConfig(tree_budget=4, runner="dynamic")
-    with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model drafter"):
-        SpecCoordinator(factory("llama", 0), DrafterSpec(), CoordinatorConfig(tree_budget=4, draft_resources=CPU,
-                                                                              target_resources=CPU))
+    with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model or n-gram drafter"):
+        SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner="dynamic"),
+                        CoordinatorConfig(tree_budget=4, draft_resources=CPU, target_resources=CPU))
+
+
+def test_ngram_tree_through_the_actors_matches_the_target():
+    reqs = requests(random_prompts(6, seed=7), max_new_tokens=12)
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, eos_token_ids=(EOS,), draft_resources=CPU,
+                            target_resources=CPU, tree_budget=P)
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(None), cfg) as c:
+        out = c.generate(reqs)
+    target = tiny_model("llama", 0)
+    assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in reqs]

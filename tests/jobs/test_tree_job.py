@@ -18,7 +18,7 @@ from tests.jobs.conftest import token_prompts
 
 @pytest.mark.parametrize("fields,match", [
     ({"tree_budget": -1}, "--tree-budget"),
-    ({"tree_budget": 4, "draft": "ngram"}, "draft model"),
+    ({"tree_budget": 4, "draft": "none"}, "drafter"),
     ({"tree_budget": 4, "draft": "m", "num_speculative_tokens": "auto"}, "auto"),
     ({"tree_budget": 4, "draft": "m", "num_speculative_tokens": 0}, ">= 1"),
     ({"tree_budget": 4, "draft": "m", "acceptance": "relaxed:0.5"}, "exactly"),

@@ -229,3 +229,35 @@ def test_a_tree_of_drafts_in_one_forward_then_one_branch_kept(model):
     new = [random_tokens(rng, 2) for _ in hist]
     logits = runner.forward(*right_aligned(new), torch.full((3,), 2), max_logits=2)
     assert_rows_match(model, logits, [h + n for h, n in zip(hist, new)], [2, 2, 2])
+
+
+def test_a_tree_fed_level_by_level_gives_the_logits_of_one_forward(model):
+    """forward_tree(..., start=s): a tree written in several calls (a draft growing it level by
+    level) gives every node the logits of an unpadded forward over context + its path, and
+    keep_path then keeps a branch that spans the calls."""
+    rng = random.Random(22)
+    runner = StaticModelRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
+    hist = [random_tokens(rng, n) for n in (4, 6)]
+    runner.add_prefilled(hist)
+    ups = [-1, -1, 0, 0, 1, 2, 3]  # breadth first: levels [0, 2), [2, 5), [5, 7)
+    T = len(ups)
+    parents = torch.tensor([ups, ups])
+    tokens = torch.tensor([random_tokens(rng, T) for _ in hist])
+    counts = torch.tensor([T, 4])  # row 1: its first 4 nodes only
+    logits = torch.cat([runner.forward_tree(tokens[:, s:e], parents[:, :e], (counts - s).clamp(0, e - s), start=s)
+                        for s, e in ((0, 2), (2, 5), (5, 7))], dim=1)
+
+    def path(t):
+        return (path(ups[t]) if ups[t] >= 0 else []) + [t]
+
+    for b in range(2):
+        for t in range(int(counts[b])):
+            want = base.reference(model, hist[b] + [int(tokens[b, n]) for n in path(t)])[-1]
+            torch.testing.assert_close(logits[b, t], want, atol=1e-5, rtol=0)
+    branches = [path(5), path(3)]  # nodes 0 -> 2 -> 5 (written by three calls), 1 -> 3 (two)
+    runner.keep_path(torch.tensor([br + [-1] * (3 - len(br)) for br in branches]), torch.tensor([3, 2]), max_length=max(len(h) for h in hist) + 3)
+    hist = [h + [int(tokens[b, n]) for n in br] for b, (h, br) in enumerate(zip(hist, branches))]
+    assert runner.lengths.tolist() == [len(h) for h in hist]
+    new = [random_tokens(rng, 2) for _ in hist]
+    out = runner.forward(*right_aligned(new), torch.full((2,), 2), max_logits=2)
+    assert_rows_match(model, out, [h + n for h, n in zip(hist, new)], [2, 2])
