@@ -383,7 +383,7 @@ class GenerateReplica:
 def stage_counts(report: dict) -> dict:
     """JobStats counts from a replica call's report (GenerationReplica.generate)."""
     return {
-        "tokenize_s": report["tokenize_s"], "detokenize_s": report["detokenize_s"],
+        "start_s": report["start_s"], "tokenize_s": report["tokenize_s"], "detokenize_s": report["detokenize_s"],
         "queue_wait_s": report["queue_wait_s"], "draft_busy_s": report["draft_busy_s"],
         "target_busy_s": report["target_busy_s"], "wall_s": report["wall_s"], "engine_idle_s": report["idle_s"],
         "active_rows": report["active_rows"], "slot_steps": report["steps"] * report["slots"],
@@ -394,7 +394,7 @@ def stage_counts(report: dict) -> dict:
 # Where a job's time goes, from JobStats totals: (summary key, JobStats key), in pipeline order.
 # Each is summed over blocks or rows, over every replica: stages overlap, so they do not add up to
 # the wall time. draft/verify: inside the model actors' step methods.
-STAGE_SECONDS = (("read", "read_s"), ("tokenize", "tokenize_s"), ("queue_wait", "queue_wait_s"),
+STAGE_SECONDS = (("start", "start_s"), ("read", "read_s"), ("tokenize", "tokenize_s"), ("queue_wait", "queue_wait_s"),
                  ("draft", "draft_busy_s"), ("verify", "target_busy_s"), ("detokenize", "detokenize_s"),
                  ("write", "write_s"))
 

@@ -195,6 +195,7 @@ class GenerationReplica:
         from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
         from raysd.models.loading import ModelSpec, draft_kind, load_eagle_for, load_model, load_tokenizer
 
+        started = time.perf_counter()
         self.cfg = cfg
         self.K = cfg.effective_num_speculative_tokens
         tokenizer_box: dict = {}
@@ -276,6 +277,7 @@ class GenerationReplica:
         self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
         self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
         self._reported: dict = {}
+        self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
         self._report_lock = threading.Lock()
         # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
         # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
@@ -342,6 +344,7 @@ class GenerationReplica:
             delta = {k: now[k] - self._reported.get(k, 0) for k in
                      ("draft_busy_s", "target_busy_s", "steps", "active_rows", "queue_wait_s", "idle_s", "recoveries", "wall_s")}
             self._reported = now
+            delta["start_s"], self._start_s = self._start_s, 0.0
         delta["wall_s"] -= delta["idle_s"]  # the loop's working time: the overlap's denominator
         delta["slots"] = now["slots"]
         return delta

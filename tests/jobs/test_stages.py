@@ -19,19 +19,19 @@ STAGES = [name for name, _ in STAGE_SECONDS]
 
 
 def test_breakdown_from_job_stats():
-    totals = {"read_s": 0.5, "tokenize_s": 0.25, "queue_wait_s": 3.0, "draft_busy_s": 1.0, "target_busy_s": 9.0,
+    totals = {"start_s": 4.0, "read_s": 0.5, "tokenize_s": 0.25, "queue_wait_s": 3.0, "draft_busy_s": 1.0, "target_busy_s": 9.0,
               "detokenize_s": 0.2, "write_s": 0.3, "engine_idle_s": 0.1, "active_rows": 90, "slot_steps": 100}
-    assert STAGES == ["read", "tokenize", "queue_wait", "draft", "verify", "detokenize", "write"]
+    assert STAGES == ["start", "read", "tokenize", "queue_wait", "draft", "verify", "detokenize", "write"]
     got = time_breakdown(totals)
-    assert got == {"read": 0.5, "tokenize": 0.25, "queue_wait": 3.0, "draft": 1.0, "verify": 9.0, "detokenize": 0.2,
+    assert got == {"start": 4.0, "read": 0.5, "tokenize": 0.25, "queue_wait": 3.0, "draft": 1.0, "verify": 9.0, "detokenize": 0.2,
                    "write": 0.3, "engine_idle": 0.1, "occupancy": 0.9}
     assert occupancy({}) is None and time_breakdown({})["occupancy"] is None
-    assert breakdown_text(totals) == ("; occupancy 0.90; s: read 0.5 tokenize 0.2 queue_wait 3.0 draft 1.0 verify 9.0 "
+    assert breakdown_text(totals) == ("; occupancy 0.90; s: start 4.0 read 0.5 tokenize 0.2 queue_wait 3.0 draft 1.0 verify 9.0 "
                                       "detokenize 0.2 write 0.3")
     assert breakdown_text({"rows_generated": 3}) == ""  # no engine step yet: the line as before
     line = progress_text({"rows_generated": 8, "rows_written": 4, "tokens": 100, **totals}, 20.0)
     assert line.startswith("raysd generate: 8 rows generated, 4 written, 0 already there; 5.0 tok/s, acceptance n/a; "
-                           "occupancy 0.90; s: read 0.5"), line
+                           "occupancy 0.90; s: start 4.0 read 0.5"), line
 
 
 @pytest.mark.slow
