@@ -286,15 +286,14 @@ class NgramDrafter(Drafter):
         at most max_depths[b] deep, cut at the depth they reach. Deterministic candidates with
         one-hot draft_probs: EAGLE-2's rule verifies them exactly, whatever they are."""
         B = len(max_depths)
-        N = max((shape.nodes_within(int(d)) for d in max_depths), default=0)
+        trees = [self.tree_tokens(row, shape, int(d)) for row, d in zip(self.history, max_depths)]
+        counts = [len(t) for t in trees]
+        N = max(counts, default=0)
         if N == 0:
             return Proposal.empty(B, self.vocab_size, self.device)
         ids = torch.zeros(B, N, dtype=torch.int64)
-        counts = []
-        for b, (row, d) in enumerate(zip(self.history, max_depths)):
-            tokens = self.tree_tokens(row, shape, int(d))
+        for b, tokens in enumerate(trees):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            counts.append(len(tokens))
         ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
         probs = torch.zeros(B, N, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
         return Proposal(ids, num, probs, tuple(counts))

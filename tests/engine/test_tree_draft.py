@@ -255,10 +255,15 @@ def test_same_seed_same_tokens_whatever_the_batch():
 # ---------------------------------------------------------------- one read-back per step
 
 
+@pytest.mark.parametrize("kind", ["model", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_tree_step_reads_back_once(temperature, monkeypatch):
+def test_a_tree_step_reads_back_once(temperature, kind, monkeypatch):
     target = tiny_model("llama", seed=0)
-    engine = engine_for(target, tiny_model("llama", seed=5, layers=1), 8, batch_size=4)
+    if kind == "model":
+        engine = engine_for(target, tiny_model("llama", seed=5, layers=1), 8, batch_size=4)
+    else:
+        engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
+                                                                      eos_token_ids=(EOS,), tree_budget=8))
     per_step = []
     step = engine.step
 
