@@ -431,7 +431,7 @@ def block_totals(table: pa.Table) -> dict:
     failed = int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0) if table.num_rows else 0
     return {"rows": table.num_rows, "failed": failed, "tokens": total("num_generated_tokens"),
             "drafted": total("num_draft_tokens"), "accepted": total("num_accepted_draft_tokens"),
-            "steps": total("num_spec_steps")}
+            "steps": total("num_spec_steps"), "branch_accepts": total("num_branch_accepts")}
 
 
 class PartsSink(Datasink):
@@ -483,10 +483,10 @@ class PartsSink(Datasink):
         return totals
 
     def on_write_complete(self, write_result) -> None:
-        totals = {"rows": 0, "failed": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0}
+        totals = {"rows": 0, "failed": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "branch_accepts": 0}
         for part in write_result.write_returns:
             for k in totals:
-                totals[k] += part[k]
+                totals[k] += part.get(k, 0)
         self.totals = totals
         if self.finish is not None:
             self.finish(totals)

@@ -44,6 +44,12 @@ class JobSummary:
     draft_acceptance_rate: float | None  # accepted / drafted, this run
     mean_acceptance_length: float | None  # 1 + accepted / steps, this run (tokens per target forward)
     overlap_efficiency: float | None  # draft/verify overlap, pooled over this run's batches
+    # Draft trees (--tree-budget P > 0), pooled over this run's rows as the Parquet columns of the
+    # same names; null for a chain job.
+    mean_nodes_verified: float | None = None  # drafted / steps: tree nodes the target verified per step
+    mean_accepted_depth: float | None = None  # accepted / steps: depth of the accepted path per step
+    num_branch_accepts: int | None = None  # accepted nodes that were not a rank-0 child, summed
+    tree_budget: int = 0  # P (0: a chain)
     target_model: str = ""
     draft_model: str = ""
     num_speculative_tokens: int = 0
@@ -69,6 +75,9 @@ class JobSummary:
             f"{self.generated_tokens} tokens in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tok/s; "
             f"acceptance rate {f(self.draft_acceptance_rate)}, mean acceptance length {f(self.mean_acceptance_length)}, "
             f"overlap efficiency {f(self.overlap_efficiency, '.2f')}, occupancy {f(self.occupancy, '.2f')}"
+            + (f"; tree P={self.tree_budget}: nodes verified/step {f(self.mean_nodes_verified, '.2f')}, "
+               f"accepted depth/step {f(self.mean_accepted_depth)}, branch accepts {self.num_branch_accepts}"
+               if self.tree_budget else "")
         )
 
 
@@ -268,6 +277,18 @@ def _release(stats, job_key: str | None) -> None:
             pass
 
 
+def _tree_summary(cfg: GenerateConfig, totals: dict) -> dict:
+    """The tree statistics of the summary, pooled over this run's rows like `mean_acceptance_length`
+    (from the parts' write results); null for a chain job."""
+    if not cfg.tree_budget:
+        return {}
+    steps = totals["steps"]
+    return {"tree_budget": cfg.tree_budget,
+            "mean_nodes_verified": totals["drafted"] / steps if steps else None,
+            "mean_accepted_depth": totals["accepted"] / steps if steps else None,
+            "num_branch_accepts": totals.get("branch_accepts", 0)}
+
+
 def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, wall: float) -> JobSummary:
     from raysd.jobs.pipeline import occupancy, time_breakdown
 
@@ -287,6 +308,7 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         draft_acceptance_rate=totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
         mean_acceptance_length=1 + totals["accepted"] / totals["steps"] if totals["steps"] else None,
         overlap_efficiency=overlap,
+        **_tree_summary(cfg, totals),
         target_model=cfg.target,
         draft_model=cfg.draft,
         num_speculative_tokens=cfg.effective_num_speculative_tokens,

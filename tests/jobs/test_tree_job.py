@@ -36,6 +36,20 @@ def test_the_flag_parses_and_a_chain_keeps_old_fingerprints():
     assert GenerateConfig(input="i", output="o", draft="m", tree_budget=8).fingerprint()["tree_budget"] == 8
 
 
+def test_the_summary_pools_the_tree_statistics_and_is_null_for_a_chain():
+    from raysd.jobs.runner import JobSummary, _tree_summary
+
+    totals = {"rows": 3, "failed": 0, "tokens": 40, "drafted": 70, "accepted": 20, "steps": 10, "branch_accepts": 4}
+    tree = _tree_summary(GenerateConfig(input="i", output="o", draft="m", tree_budget=8), totals)
+    assert tree == {"tree_budget": 8, "mean_nodes_verified": 7.0, "mean_accepted_depth": 2.0, "num_branch_accepts": 4}
+    assert _tree_summary(GenerateConfig(input="i", output="o", draft="m"), totals) == {}
+    chain = JobSummary(output="o", rows=3, rows_this_run=3, rows_skipped=0, rows_failed=0, generated_tokens=40,
+                       wall_s=1.0, tokens_per_s=40.0, draft_acceptance_rate=0.3, mean_acceptance_length=3.0,
+                       overlap_efficiency=None).to_dict()
+    assert [chain[k] for k in ("mean_nodes_verified", "mean_accepted_depth", "num_branch_accepts", "tree_budget")] == [
+        None, None, None, 0]
+
+
 @pytest.mark.slow
 def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_ray):
     from transformers import AutoModelForCausalLM
@@ -46,9 +60,19 @@ def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_r
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft, max_new_tokens=10,
                          batch_size=4, quiet=True, tree_budget=8)
-    generate(cfg)
+    summary = generate(cfg)
     rows = sorted(pq.read_table(cfg.output).to_pylist(), key=lambda r: r["id"])
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     assert [r["generated_token_ids"] for r in rows] == [hf_greedy(model, p, 10) for p in prompts]
     assert {r["tree_budget"] for r in rows} == {8}
     assert all(1 < r["mean_nodes_verified"] <= 8 and r["num_branch_accepts"] >= 0 for r in rows)
+    # The summary (and _summary.json) pools the same statistics over the written rows.
+    steps = sum(r["num_spec_steps"] for r in rows)
+    pooled = {"tree_budget": 8,
+              "mean_nodes_verified": sum(r["num_draft_tokens"] for r in rows) / steps,
+              "mean_accepted_depth": sum(r["num_accepted_draft_tokens"] for r in rows) / steps,
+              "num_branch_accepts": sum(r["num_branch_accepts"] for r in rows)}
+    written = json.loads((tmp_path / "out" / "_summary.json").read_text())
+    for got in (summary.to_dict(), written):
+        assert {k: got[k] for k in pooled} == pytest.approx(pooled)
+    assert summary.mean_accepted_depth == pytest.approx(summary.mean_acceptance_length - 1)
