@@ -37,6 +37,16 @@ def requests(prompts, **params) -> list[Request]:
     return [Request(i, p, SamplingParams(**{"seed": i, **params})) for i, p in enumerate(prompts)]
 
 
+def greedy_and_sampled(prompts, max_new_tokens: int = 12) -> tuple[list[Request], list[Request]]:
+    """The first half of `prompts` greedy (ids 0..), the second half seeded samples at T = 0.9,
+    top-k 20 (ids 10..): the exactness tests' mix of both regimes."""
+    half = len(prompts) // 2
+    greedy = requests(prompts[:half], max_new_tokens=max_new_tokens)
+    sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=max_new_tokens))
+               for i, p in enumerate(prompts[half:])]
+    return greedy, sampled
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])

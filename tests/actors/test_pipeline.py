@@ -20,7 +20,7 @@ from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
-from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests, start_ray
 from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 
@@ -326,9 +326,7 @@ def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner)
     """The actors on each KV-cache runner: greedy tokens equal the target's own `generate`,
     seeded samples equal the single-process engine's on the same runner."""
     prompts = random_prompts(8, seed=6)
-    greedy = requests(prompts[:4], max_new_tokens=12)
-    sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=12))
-               for i, p in enumerate(prompts[4:])]
+    greedy, sampled = greedy_and_sampled(prompts)
     cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
                             target_resources=CPU, runner=runner)
     with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner=runner), cfg) as c:

@@ -9,11 +9,9 @@ import ray
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
-from raysd.core.sampling import SamplingParams
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
-from tests.actors.actor_helpers import factory, hf_greedy, random_prompts, requests, start_ray
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests, start_ray
 from tests.conftest import EOS, VOCAB, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -30,9 +28,7 @@ def local_ray():
 
 def test_tree_through_the_actors_matches_the_target_and_the_engine():
     prompts = random_prompts(8, seed=6)
-    greedy = requests(prompts[:4], max_new_tokens=12)
-    sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=12))
-               for i, p in enumerate(prompts[4:])]
+    greedy, sampled = greedy_and_sampled(prompts)
     cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
                             target_resources=CPU, tree_budget=P)
     with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:

@@ -67,11 +67,8 @@ def drafter_of(kind: str, target):
     return NgramDrafter(VOCAB) if kind == "ngram" else NoDrafter(VOCAB)
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle", "ngram", "none"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
-    target = tiny_model("llama", seed=0)
-    engine = SpecEngine(target, drafter_of(kind, target), EngineConfig(num_speculative_tokens=4, max_batch_size=4, eos_token_ids=(EOS,)))
+def count_reads_per_step(engine: SpecEngine, monkeypatch) -> list[tuple[int, list]]:
+    """Wrap engine.step: each step appends (host reads, their op names) to the returned list."""
     per_step = []
     step = engine.step
 
@@ -82,6 +79,15 @@ def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
         return outcome
 
     engine.step = counted_step
+    return per_step
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle", "ngram", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
+    target = tiny_model("llama", seed=0)
+    engine = SpecEngine(target, drafter_of(kind, target), EngineConfig(num_speculative_tokens=4, max_batch_size=4, eos_token_ids=(EOS,)))
+    per_step = count_reads_per_step(engine, monkeypatch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4, 6)]
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3, ignore_eos=True)

@@ -22,7 +22,7 @@ from tests.core import test_tree as core
 from tests.core.test_distribution import chi_square_pvalue, tv_tolerance
 from tests.engine.test_distribution_e2e import copyable_prompt, exact_joint
 from tests.engine.test_equivalence import hf_greedy, prompts
-from tests.engine.test_host_syncs import count_host_reads
+from tests.engine.test_host_syncs import count_reads_per_step
 
 
 def engine_for(target, draft, P: int, K: int = 4, batch_size: int = 8, **config) -> SpecEngine:
@@ -264,16 +264,7 @@ def test_a_tree_step_reads_back_once(temperature, kind, monkeypatch):
     else:
         engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
                                                                       eos_token_ids=(EOS,), tree_budget=8))
-    per_step = []
-    step = engine.step
-
-    def counted_step():
-        with count_host_reads(monkeypatch) as reads:
-            outcome = step()
-        per_step.append((reads.count, reads.names))
-        return outcome
-
-    engine.step = counted_step
+    per_step = count_reads_per_step(engine, monkeypatch)
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3, ignore_eos=True)
     results = engine.generate([Request(i, p, params) for i, p in enumerate(prompts(lengths=(5, 9, 3, 7, 4, 6)))])
     assert all(len(r.token_ids) == 12 for r in results)
