@@ -254,16 +254,17 @@ class GenerationReplica:
 
             # Step costs measured in the actors at the batch sizes this replica may run (cached per
             # models and machine): they choose one or two micro-batches, and K under `-k auto`.
-            half = max(1, math.ceil(cfg.batch_size / 2))  # a model-free drafter never splits the batch
+            half = max(1, math.ceil(cfg.batch_size / 2))
+            # Without a draft model the batch is never split: no need to time half of it.
             sizes = sorted({1, half, cfg.batch_size} if cfg.draft_is_model else {1, cfg.batch_size})
             c = self.coordinator
             key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
                    "devices": [c.target_info.device, c.draft_info.device], "k_max": self.K, "batch_sizes": sizes,
                    "context": 64, "reps": 2}
             costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(self.K, sizes, context=64, reps=2))
-            k = self.K
-            if cfg.adaptive_speculation:  # the K a batch of rows at the prior acceptance would get
-                k = choose_k([AdaptiveConfig(costs).prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, AdaptiveConfig(costs))
+            serial = AdaptiveConfig(costs)
+            # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
+            k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K
             micro = num_micro_batches(costs, cfg.batch_size, k) if cfg.draft_is_model else 1
             if cfg.adaptive_speculation:
                 adaptive = AdaptiveConfig(costs, overlapped=micro > 1)

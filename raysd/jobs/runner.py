@@ -125,10 +125,9 @@ def _init_ray(cfg: GenerateConfig) -> bool:
             raise JobError(f"cannot connect to Ray at {cfg.address or os.environ['RAY_ADDRESS']!r}: {str(exc).splitlines()[0]}") from None
         return True
     # Model actors ask for whole CPUs; a small machine still runs every replica (logical resources).
-    # One logical CPU more than the model actors' placement groups can take: Ray Data's streaming
-    # repartition asks for a CPU per task (it takes no ray_remote_args), and with every CPU held by
-    # the groups it would wait forever while the replicas wait for its blocks (a 2-core machine,
-    # seen on a resumed run).
+    # One logical CPU more than the model actors' placement groups can take, as a margin for Ray
+    # Data's own tasks. (The streaming repartition, whose tasks once asked for a CPU each and hung
+    # a resumed run behind the groups, now asks for none: raysd.jobs.pipeline._repartition_needs_no_cpu.)
     need = int(math.ceil(2 * cfg.replicas * cfg.num_cpus_per_actor))
     try:
         start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
