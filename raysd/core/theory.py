@@ -289,3 +289,17 @@ def speed_of_light_bound(mu: float, mu2: float, capacity: int) -> float:
     cap = _int("capacity", capacity, 2)
     mu2 = _at_least("mu2", mu2, mu * mu, f" (Jensen: mu^2, mu={mu})")
     return (mu + mu2) * math.log(cap) / (mu * mu)
+
+
+def relaxed_rule_point(tv: float, lam: float) -> tuple[float, float]:
+    """(P(reject), TV(output, target)) at one drafted position under the relaxed test with weight
+    lam, which verifies against (1 - lam) target + lam draft (raysd.core.rejection.rejection_sample's
+    `relax`): ((1 - lam) TV, lam TV), with TV = TV(target, draft) there.
+
+    The position emits the mixture, whose distance to the target is lam TV, and rejects with
+    probability TV(mixture, draft) = (1 - lam) TV. The two sum to TV, so every lam lies on Yin et
+    al. 2024's front (pareto_front_tv_loss); lam = 0 is exact speculative decoding, lam = 1 emits
+    the draft. Linear in TV, so it holds for averages over positions too.
+    """
+    t, lam = _prob("tv", tv), _prob("lam", lam)
+    return (1.0 - lam) * t, lam * t

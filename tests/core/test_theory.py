@@ -302,3 +302,16 @@ def test_speed_of_light_bound():
 def test_validation_errors(call):
     with pytest.raises(ValueError):
         call()
+
+
+@pytest.mark.parametrize("tv,lam", [(0.0, 0.5), (0.3, 0.0), (0.3, 0.25), (0.3, 1.0), (1.0, 0.7)])
+def test_relaxed_rule_point_lies_on_the_front(tv, lam):
+    reject, loss = th.relaxed_rule_point(tv, lam)
+    assert reject == pytest.approx((1 - lam) * tv) and loss == pytest.approx(lam * tv)
+    assert loss == pytest.approx(th.pareto_front_tv_loss(reject, tv))
+
+
+def test_relaxed_rule_point_checks_its_arguments():
+    for tv, lam in [(1.5, 0.1), (0.2, -0.1), (0.2, 1.1), (float("nan"), 0.5)]:
+        with pytest.raises(ValueError):
+            th.relaxed_rule_point(tv, lam)
