@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter
+from raysd.engine.hierarchy import AssistedDraftModelDrafter
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
@@ -85,6 +86,8 @@ def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int
 
 def tree_support_error(drafter: Drafter, verifier: TargetVerifier) -> str | None:
     """Why this drafter and target cannot draft trees, or None."""
+    if isinstance(drafter, AssistedDraftModelDrafter):
+        return "tree drafting does not take an assisted draft model (draft assist 'ngram'): use a chain"
     if not drafter.supports_trees:
         return f"tree drafting needs the static runner and a draft-model or n-gram drafter, not {type(drafter).__name__}" + (
             " on the dynamic runner" if isinstance(drafter, DraftModelDrafter) else "")
