@@ -3,6 +3,10 @@ predict the best K per batch size, run the measured sweep, and write a tidy Parq
 
     raysd study --draft ngram --batch-sizes 1,4 --ks 1,2,4 --prompts-per-task 2 \\
         --max-new-tokens 32 --output study.parquet
+
+`--acceptance relaxed:LAMBDA` runs the drafters under the lossy quality-speed dial (Yin et al.
+2024) and prints, per drafter, the measured rejection rate and TV(target, draft) beside the
+front's prediction (1 - LAMBDA) TV and the output's TV to the target, LAMBDA TV.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--acceptance", default="exact",
+                   help="the drafters' acceptance rule: 'exact' (default) or 'relaxed:LAMBDA', LAMBDA in [0, 1]: lossy, "
+                        "outputs LAMBDA x TV(target, draft) from the target per drafted position (Yin et al. 2024's front)")
     p.add_argument("--profile-context", type=int, default=128, help="cached tokens per row while timing forwards")
     p.add_argument("--profile-reps", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = StudyConfig(args.batch_sizes, args.ks, args.max_new_tokens, args.temperature, args.ignore_eos,
-                          args.profile_context, args.profile_reps)
+                          args.profile_context, args.profile_reps, args.acceptance)
     except ValueError as exc:
         print(f"raysd study: {exc}", file=sys.stderr)
         return 2
@@ -84,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out)
     _print_best_k(rows)
+    _print_front(rows)
     print(f"raysd study: {len(rows)} rows -> {out} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return 0
 
@@ -100,3 +108,17 @@ def _print_best_k(rows: list[dict]) -> None:
         top = max(done, key=lambda r: r["measured_speedup"]) if done else None
         best = f"{top['k']}\t{top['measured_speedup']:.3f}" if top else "-\t-"
         print(f"{drafter}\t{B}\t{rs[0]['predicted_best_k']}\t{rs[0]['predicted_best_k_overlapped']}\t{best}")
+
+
+def _print_front(rows: list[dict]) -> None:
+    """Per drafter (all tasks and runs pooled): the rule, the measured TV(target, draft) and rejection
+    rate per tested position, and Yin et al.'s front at that TV: its rejection rate (1 - LAMBDA) TV
+    and the output's TV to the target, LAMBDA TV (closed form; 0 for the exact rule)."""
+    print("drafter\tacceptance\ttv_target_draft\tmeasured_rejection_rate\tfront_rejection_rate\tfront_tv_to_target")
+    seen = set()
+    for r in rows:
+        if r["task"] != "all" or r["drafter"] == "none" or r["drafter"] in seen:
+            continue
+        seen.add(r["drafter"])
+        cells = [r["tv_target_draft"], r["measured_rejection_rate_task"], r["front_rejection_rate"], r["front_tv_to_target"]]
+        print("\t".join([r["drafter"], r["acceptance"], *("-" if c is None else f"{c:.3f}" for c in cells)]))

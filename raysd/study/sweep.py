@@ -5,6 +5,14 @@ Rows with task "all" pool every prompt of a run and carry the measured throughpu
 rows carry acceptance only (the tasks share each batch, so their times are not separable).
 Predictions cover every profiled K, measured or not; measured columns are None where a
 (drafter, K, batch_size) was not run.
+
+`StudyConfig.acceptance` runs every drafter under one acceptance rule ("exact", or the lossy
+"relaxed:LAMBDA" dial of Yin et al. 2024). Every row then also carries the front of Yin et al.
+(arXiv 2411.00841, Theorems 4-5) beside the measurement: the measured TV(target, draft) over the
+tested positions (1 - alpha), the measured rejection rate per tested position, the front's
+rejection rate (1 - LAMBDA) TV and the output's TV to the target, LAMBDA TV (closed form: a drafted
+position emits (1 - LAMBDA) target + LAMBDA draft). The predictions use the acceptance rate of the
+rule, 1 - (1 - LAMBDA) TV (alpha itself when exact).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 from raysd.core import theory
 from raysd.core.sampling import SamplingParams
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, NoDrafter
-from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.engine import EngineConfig, SpecEngine, parse_acceptance
 from raysd.engine.rows import GenerationResult, Request
 from raysd.models.profile import median_time, time_forward
 from raysd.study.prompts import StudyPrompt
@@ -38,8 +46,10 @@ class StudyConfig:
     ignore_eos: bool = False
     profile_context: int = 128  # cached tokens per row while profiling
     profile_reps: int = 3
+    acceptance: str = "exact"  # the drafters' rule: "exact" or "relaxed:LAMBDA" (lossy; the baseline drafts nothing)
 
     def __post_init__(self) -> None:
+        parse_acceptance(self.acceptance)  # a one-line ValueError for a bad rule
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch_sizes must be non-empty and >= 1, got {self.batch_sizes}")
         if not self.ks or min(self.ks) < 0 or max(self.ks) > 64:
@@ -85,9 +95,15 @@ class Pool:
     def alpha(self) -> float | None:
         return self.overlap / self.tested if self.tested else None
 
+    @property
+    def rejection_rate(self) -> float | None:
+        """Rejections per tested position: each step's test stops at its one rejection, if any."""
+        return (self.tested - self.accepted) / self.tested if self.tested else None
+
     def columns(self) -> dict:
         return {
             "alpha": self.alpha,
+            "rejection_rate": self.rejection_rate,
             "mean_acceptance_length": 1.0 + self.accepted / self.steps if self.steps else None,
             "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "num_steps": self.steps,
@@ -111,9 +127,9 @@ def time_ngram(batch_size: int, vocab: int, context: int = 128, reps: int = 3) -
 
 
 def run_requests(target, drafter: Drafter, prompts: Sequence[StudyPrompt], k: int, batch_size: int,
-                 params: SamplingParams, eos: Sequence[int]) -> tuple[list[GenerationResult], SpecEngine]:
+                 params: SamplingParams, eos: Sequence[int], acceptance: str = "exact") -> tuple[list[GenerationResult], SpecEngine]:
     """Every prompt once, cycled up to batch_size requests so that the batch is full."""
-    engine = SpecEngine(target, drafter, EngineConfig(k, batch_size, tuple(eos)))
+    engine = SpecEngine(target, drafter, EngineConfig(k, batch_size, tuple(eos), acceptance=acceptance))
     chosen = list(itertools.islice(itertools.cycle(prompts), max(len(prompts), batch_size)))
     reqs = [Request(i, p.token_ids, replace(params, seed=i)) for i, p in enumerate(chosen)]
     return engine.generate(reqs), engine
@@ -169,7 +185,8 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
     entropy: dict[str, tuple[float, float]] = {}
     for name, k, B in runs:
         drafter = NoDrafter(vocab) if name == BASELINE else drafters[name]()
-        results, engine = run_requests(target, drafter, prompts, k, B, params, eos)
+        results, engine = run_requests(target, drafter, prompts, k, B, params, eos,
+                                       "exact" if name == BASELINE else cfg.acceptance)
         pools = {t: Pool(k) for t in ["all", *tasks]}
         for i, r in enumerate(results):
             pools["all"].add(r)
@@ -185,11 +202,13 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
 
     # 3. Acceptance per (drafter, task), pooled over the drafter's runs: what the theory is fed.
     alpha_task: dict[tuple[str, str], float | None] = {}
+    reject_task: dict[tuple[str, str], float | None] = {}
     for name in drafters:
         for task in ["all", *tasks]:
             pooled = [m["pools"][task] for (n, k, B), m in measured.items() if n == name]
             tested = sum(p.tested for p in pooled)
             alpha_task[name, task] = sum(p.overlap for p in pooled) / tested if tested else None
+            reject_task[name, task] = (tested - sum(p.accepted for p in pooled)) / tested if tested else None
 
     # 4. One row per (drafter, K, B, task): predictions for every profiled K, measurements where run.
     rows = []
@@ -199,11 +218,16 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
         ks = [0] if name == BASELINE else cfg.profile_ks
         a = 0.0 if name == BASELINE else alpha_task[name, task]
         td = 0.0 if name == BASELINE else t_draft[name, B]
-        preds = {k: _predict(a, k, t_target[B], td) for k in ks}
+        if name == BASELINE:  # drafts nothing: no TV, no rule to relax
+            front = _front(None, "exact", None)
+        else:
+            front = _front(a, cfg.acceptance, reject_task[name, task])
+        alpha_rule = a if front["alpha_rule"] is None else front["alpha_rule"]
+        preds = {k: _predict(alpha_rule, k, t_target[B], td) for k in ks}
         best = {mode: max(ks, key=lambda k: (_nan0(preds[k][mode]), -k)) for mode in ("serial", "overlapped")}
         for k in ks:
             m = measured.get((name, k, B))
-            row = dict(base_labels, drafter=name, k=k, batch_size=B, task=task, measured=m is not None,
+            row = dict(base_labels, drafter=name, k=k, batch_size=B, task=task, measured=m is not None, **front,
                        t_target_1_s=t_target[B][0], t_target_k_s=t_target[B][k], t_draft_s=td,
                        cost_ratio=td / t_target[B][0], alpha_task=a,
                        predicted_mean_acceptance_length=preds[k]["e"], predicted_speedup=preds[k]["serial"],
@@ -215,6 +239,22 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
                        speed_of_light_bound=theory.speed_of_light_bound(mu, mu2, k + 1) if mu and k >= 1 else None)
             rows.append(row)
     return rows
+
+
+def _front(alpha: float | None, rule: str, rejection_rate: float | None) -> dict:
+    """The rule's columns: its LAMBDA, Yin et al.'s front at the measured TV(target, draft) = 1 - alpha
+    (the rejection rate (1 - LAMBDA) TV and the output's TV to the target LAMBDA TV, per tested
+    position: theory.relaxed_rule_point), the rejection rate measured over the same positions (all
+    of the drafter's runs pooled), and the acceptance rate the rule gives, 1 - (1 - LAMBDA) TV."""
+    lam = parse_acceptance(rule) or 0.0
+    cols = dict(acceptance=rule, relax_lambda=lam, tv_target_draft=None,
+                front_rejection_rate=None, front_tv_to_target=None, measured_rejection_rate_task=rejection_rate,
+                alpha_rule=alpha)
+    if alpha is not None:
+        tv = 1.0 - min(max(alpha, 0.0), 1.0)
+        reject, loss = theory.relaxed_rule_point(tv, lam)
+        cols.update(tv_target_draft=tv, front_rejection_rate=reject, front_tv_to_target=loss, alpha_rule=1.0 - reject)
+    return cols
 
 
 def _nan0(x: float | None) -> float:
@@ -232,7 +272,7 @@ def _predict(alpha: float | None, k: int, t_target: dict[int, float], t_draft: f
 
 
 def _measured_columns(m: dict | None, task: str, base: dict | None, t_target: dict[int, float], t_draft: float, k: int) -> dict:
-    keys = ["alpha", "mean_acceptance_length", "draft_acceptance_rate", "num_steps", "num_draft_tokens",
+    keys = ["alpha", "rejection_rate", "mean_acceptance_length", "draft_acceptance_rate", "num_steps", "num_draft_tokens",
             "num_accepted_draft_tokens", "generated_tokens", "acceptance_histogram", "measured_tokens_per_s",
             "measured_speedup", "predicted_speedup_measured_e", "wall_s", "measured_t_target_step_s", "measured_t_draft_step_s"]
     if m is None:
