@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_prompts, loadavg, machine, median  # noqa: E402
 
 from raysd.core.sampling import SamplingParams  # noqa: E402
-from raysd.engine.drafters import NgramDrafter, NoDrafter  # noqa: E402
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
 from raysd.engine.rows import Request  # noqa: E402
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer  # noqa: E402
@@ -49,7 +49,12 @@ def run_engine(prompts: list[dict], draft: str, k: int, batch: int, max_new: int
     t0 = time.perf_counter()
     target = load_model(ModelSpec())
     vocab = target.get_output_embeddings().weight.shape[0]
-    drafter = NoDrafter(vocab) if draft == "none" else NgramDrafter(vocab)
+    if draft == "none":
+        drafter = NoDrafter(vocab)
+    elif draft == "ngram":
+        drafter = NgramDrafter(vocab)
+    else:  # a draft model by name or path (e.g. smollm2-135m-instruct-draft, the shipped distilled draft)
+        drafter = DraftModelDrafter(load_model(ModelSpec(draft)), vocab)
     engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch,
                                                       eos_token_ids=eos_token_ids(target)))
     loaded = time.perf_counter()
@@ -85,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=256, help="Spec-Bench first turns, round-robin over the 6 tasks")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="8,32")
-    p.add_argument("--drafters", default="none,ngram", help="variants: none, ngram (K = 4), ngram:K, ngram:auto")
+    p.add_argument("--drafters", default="none,ngram",
+                   help="variants: none, ngram (K = 4), ngram:K, ngram:auto, or a draft model's name with :K or :auto")
     p.add_argument("--sides", default="engine,pipeline", help="engine,pipeline (both: the ratio) or one of them")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--shortest", action="store_true",
@@ -124,15 +130,22 @@ def main(argv=None) -> int:
     results = []
     sides = a.sides.split(",")
     for b in [int(x) for x in a.batch_sizes.split(",")]:
-        for variant in a.drafters.split(","):
-            draft, k = parse_variant(variant)
-            runs = {side: [] for side in sides}
-            for rep in range(a.repeats):
+        variants = a.drafters.split(",")
+        all_runs = {v: {side: [] for side in sides} for v in variants}
+        # Repeats interleave the variants (ABC CBA ...) and the sides, so a drifting load spreads over all.
+        for rep in range(a.repeats):
+            for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                draft, k = parse_variant(variant)
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
                     r = run_engine(prompts, draft, k, b, a.max_new_tokens) if side == "engine" else \
                         run_pipeline(prompt_file, draft, k, b, a.max_new_tokens, workdir)
                     r["loadavg"] = loadavg()
-                    runs[side].append(r)
+                    all_runs[variant][side].append(r)
+                    print(json.dumps({"batch": b, "variant": variant, "side": side, "repeat": rep,
+                                      **{k_: v for k_, v in r.items() if k_ != "rows"}}), flush=True)
+        for variant in variants:
+            draft, k = parse_variant(variant)
+            runs = all_runs[variant]
             row = {"batch": b, "draft": draft, "k": k, "loadavg": [r["loadavg"] for rs in runs.values() for r in rs]}
             if "engine" in runs:
                 eng = runs["engine"]
@@ -143,6 +156,7 @@ def main(argv=None) -> int:
             if "pipeline" in runs:
                 pipe = runs["pipeline"]
                 row.update({"pipeline_tok_s": median([r["tok_s"] for r in pipe]), "pipeline_wall_s": median([r["wall_s"] for r in pipe]),
+                            "pipeline_tok_s_all": [r["tok_s"] for r in pipe],
                             "pipeline_tokens": pipe[0]["tokens"], "pipeline_errors": pipe[0]["errors"],
                             "occupancy": pipe[0]["occupancy"], "time_breakdown": pipe[0]["time_breakdown"],
                             "pipeline_rows": {k_: v for k_, v in pipe[0]["rows"].items()}})
@@ -159,15 +173,21 @@ def main(argv=None) -> int:
         assert all(x == same[0] for x in same), f"pipeline variants disagree at batch {b}"
     for r in results:
         r.pop("pipeline_rows", None)
+        # Against the batch size's first variant, repeat by repeat (the two ran back to back).
+        base = next(x for x in results if x["batch"] == r["batch"])
+        if "pipeline_tok_s_all" in r:
+            r["pipeline_vs_first"] = median([x / y for x, y in zip(r["pipeline_tok_s_all"], base["pipeline_tok_s_all"])])
     ray.shutdown()
     info["loadavg_end"] = loadavg()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
-    print(f"{'B':>3} {'draft':>6} {'K':>4} {'engine tok/s':>12} {'(gen only)':>10} {'pipeline tok/s':>14} {'ratio':>6} {'occ':>5} {'mismatch':>8}")
+    print(f"{'B':>3} {'draft':>6} {'K':>4} {'engine tok/s':>12} {'(gen only)':>10} {'pipeline tok/s':>14} {'ratio':>6} {'occ':>5} {'mismatch':>8} "
+          f"{'vs first':>8} {'drafted':>7}")
     for r in results:
         f = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
         print(f"{r['batch']:>3} {r['draft']:>6} {r['k']!s:>4} {f('engine_tok_s', '.1f'):>12} {f('engine_tok_s_generate', '.1f'):>10} "
-              f"{f('pipeline_tok_s', '.1f'):>14} {f('pipeline_vs_engine', '.2f'):>6} {f('occupancy', '.2f'):>5} {f('rows_mismatched', 'd'):>8}")
+              f"{f('pipeline_tok_s', '.1f'):>14} {f('pipeline_vs_engine', '.2f'):>6} {f('occupancy', '.2f'):>5} {f('rows_mismatched', 'd'):>8} "
+              f"{f('pipeline_vs_first', '.3f'):>8} {(r.get('time_breakdown') or {}).get('drafted_steps')!s:>7}")
     return 0
 
 

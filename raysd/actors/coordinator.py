@@ -55,6 +55,7 @@ from raysd.engine.step import RowLimits, StepOutcome
 from raysd.models.runners import check_runner_kind
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DRAFT_BACKLOG = 32  # K = 0 steps whose draft updates wait for the next call before travelling on their own
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class RunReport:
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     steps: int = 0  # micro-batch steps (one target forward each)
+    draft_steps: int = 0  # of which the draft actor proposed for (the rest drafted nothing: K = 0)
     generated_tokens: int = 0
     recoveries: int = 0  # times in-flight rows were re-queued after an actor failure
     transfer: TransferStats = field(default_factory=TransferStats)
@@ -167,6 +169,9 @@ class _MicroBatch:
     new: list[tuple[int, Request]] = field(default_factory=list)  # admitted, not yet sent to the actors
     last: StepOutcome | None = None  # the target's last decision, not yet forwarded to the draft
     features: ray.ObjectRef | None = None  # its features for a feature draft (target actor -> draft actor)
+    # Draft-side updates of steps that drafted nothing (K = 0): the draft actor was not asked for
+    # them, and gets them in order with its next call (_submit).
+    backlog: list[MicroBatchUpdate] = field(default_factory=list)
     fresh: bool = True  # the actors hold no (valid) state for it: the next step starts it afresh
     busy: bool = False
     # The rows' acceptance evidence and room after the last step (KController.choose_k_from).
@@ -176,13 +181,14 @@ class _MicroBatch:
 
     def clear(self) -> None:
         self.rows, self.new, self.last, self.features, self.fresh, self.busy = [], [], None, None, True, False
+        self.backlog = []
         self.overlap_sum, self.tested, self.room = [], [], []
 
 
 @dataclass
 class _Flight:
     mb: _MicroBatch
-    meta_ref: ray.ObjectRef
+    meta_ref: ray.ObjectRef | None  # None: a step with K = 0, the draft actor was not asked
     draft_args_nbytes: int
     target_args_nbytes: int
 
@@ -358,7 +364,7 @@ class SpecCoordinator:
             flight = in_flight.pop(ref)
             try:
                 result: VerifyResult = ray.get(ref)
-                meta = ray.get(flight.meta_ref)
+                meta = ray.get(flight.meta_ref) if flight.meta_ref is not None else None
             except (RayActorError, MicroBatchStateLost):
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
                 # gone. Re-run their rows from the start; finished results stay.
@@ -366,13 +372,15 @@ class SpecCoordinator:
                 continue
             report.active_rows += sum(len(m.rows) for m in mbs)
             self._finish_step(flight.mb, result, results, report)
-            report.draft_busy_s += meta.busy_s
             report.target_busy_s += result.busy_s
             t = report.transfer
             t.steps += 1
-            t.proposal += meta.proposal_nbytes
-            t.dense_equivalent += meta.dense_nbytes
-            t.sparse_steps += meta.encoding == "sparse"
+            if meta is not None:
+                report.draft_steps += 1
+                report.draft_busy_s += meta.busy_s
+                t.proposal += meta.proposal_nbytes
+                t.dense_equivalent += meta.dense_nbytes
+                t.sparse_steps += meta.encoding == "sparse"
             t.draft_args += flight.draft_args_nbytes
             t.target_args += flight.target_args_nbytes
             t.results += pickled_nbytes(result) if cfg.measure_bytes else 0
@@ -402,6 +410,13 @@ class SpecCoordinator:
         room = mb.room + [self.limits.first_room(req) for _, req in mb.new]
         return self.k_controller.choose_k_from(mb.overlap_sum + [0.0] * n, mb.tested + [0] * n, room)
 
+    def _skips_draft(self, k: int) -> bool:
+        """A step that drafts nothing (plain decoding, or adaptive K chose 0) goes straight to the
+        target rather than after a round trip through the draft actor, which gets the update with
+        its next call. Not for a feature draft (it follows the target's features every step) or a
+        tree (its shape is drafted whatever K)."""
+        return k == 0 and not self.draft_info.feature_draft and not self.config.tree_budget
+
     def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:
         k = self._choose_k(mb)
         limits = self.limits if mb.fresh else None
@@ -412,15 +427,24 @@ class SpecCoordinator:
         else:
             draft_update = MicroBatchUpdate(limits, new_rows=new)
         target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision
-        # Two actor tasks per step: with task events on, the GCS keeps a few KB of events for each
-        # (up to RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
-        propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
-        proposal_ref, meta_ref = propose.remote(mb.mb_id, draft_update, k, mb.features if last is not None else None)
+        mb.backlog.append(draft_update)
+        # Actor tasks with task events on make the GCS keep a few KB of events each (up to
+        # RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
+        if self._skips_draft(k):
+            proposal_ref = meta_ref = None
+            if len(mb.backlog) >= DRAFT_BACKLOG:  # bounded memory: hand it over, off the critical path
+                self.draft.apply.options(enable_task_events=False).remote(mb.mb_id, tuple(mb.backlog))
+                mb.backlog = []
+        else:
+            propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
+            features = mb.features if last is not None else None
+            proposal_ref, meta_ref = propose.remote(mb.mb_id, tuple(mb.backlog), k, features)
+            mb.backlog = []
         verify = self.target.verify.options(num_returns=2, enable_task_events=False)
         verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         measure = self.config.measure_bytes
-        draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure else 0
+        draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure and meta_ref is not None else 0
         target_nbytes = pickled_nbytes((mb.mb_id, target_update, k)) if measure else 0
         return verify_ref, _Flight(mb, meta_ref, draft_nbytes, target_nbytes)
 
@@ -569,7 +593,7 @@ class RequestStream:
     def totals(self) -> dict:
         r = self.report
         return {"wall_s": time.perf_counter() - self._started, "draft_busy_s": r.draft_busy_s,
-                "target_busy_s": r.target_busy_s, "steps": r.steps, "active_rows": r.active_rows,
+                "target_busy_s": r.target_busy_s, "steps": r.steps, "draft_steps": r.draft_steps, "active_rows": r.active_rows,
                 "slots": r.slots, "queue_wait_s": r.queue_wait_s, "idle_s": r.idle_s,
                 "recoveries": r.recoveries + r.recoveries_done, "generated_tokens": r.generated_tokens}
 

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter
+from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import parse_acceptance
 from raysd.engine.rows import Request
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
@@ -206,12 +206,19 @@ class DraftActor:
         trees = self.model is None or (not feature and self.spec.runner != "dynamic" and supports_static(self.model))
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
 
-    def propose(self, mb: int, update: MicroBatchUpdate, k: int,
+    def apply(self, mb: int, updates: Sequence[MicroBatchUpdate]) -> None:
+        """Apply updates, in order, without proposing: the target's decisions of steps that
+        drafted nothing (K = 0), which the coordinator did not send through `propose`."""
+        for update in updates:
+            self.store.apply(mb, update)
+
+    def propose(self, mb: int, updates: Sequence[MicroBatchUpdate], k: int,
                 features: tuple[torch.Tensor, ...] | None = None) -> tuple[WireProposal, DraftMeta]:
-        """Apply the update (with, for a feature draft, the target's features of its last step,
-        straight from the target actor), then propose up to min(k, room) drafts per row."""
+        """Apply the updates in order (the last with, for a feature draft, the target's features of
+        its last step, straight from the target actor), then propose up to min(k, room) drafts per row."""
         start = time.perf_counter()
-        proposal = self.store.apply(mb, update, features).propose(k)
+        self.apply(mb, updates[:-1])
+        proposal = self.store.apply(mb, updates[-1], features).propose(k)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         busy = time.perf_counter() - start
         B, K, V = proposal.draft_probs.shape
@@ -247,14 +254,19 @@ class TargetActor:
     def get_vocab_size(self) -> int:
         return self.vocab_size
 
-    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal,
+    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal | None,
                k: int) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
         """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
         returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
-        features, which go to the draft actor's next call without passing through the coordinator."""
+        features, which go to the draft actor's next call without passing through the coordinator.
+        `wire` None: a step with K = 0, for which the draft actor was not asked (no drafts)."""
         start = time.perf_counter()
         side = self.store.apply(mb, update)
-        outcome = side.verify(decode_proposal(wire, self.device), k)
+        if wire is None:
+            proposal = Proposal.empty(len(side), self.vocab_size, self.device)
+        else:
+            proposal = decode_proposal(wire, self.device)
+        outcome = side.verify(proposal, k)
         features = None
         if outcome.features is not None:  # to the host in one copy: they travel through the object store
             sizes = [len(f) for f in outcome.features]

@@ -387,7 +387,7 @@ def stage_counts(report: dict) -> dict:
         "queue_wait_s": report["queue_wait_s"], "draft_busy_s": report["draft_busy_s"],
         "target_busy_s": report["target_busy_s"], "wall_s": report["wall_s"], "engine_idle_s": report["idle_s"],
         "active_rows": report["active_rows"], "slot_steps": report["steps"] * report["slots"],
-        "engine_steps": report["steps"], "recoveries": report["recoveries"],
+        "engine_steps": report["steps"], "draft_steps": report["draft_steps"], "recoveries": report["recoveries"],
     }
 
 
@@ -401,10 +401,15 @@ STAGE_SECONDS = (("start", "start_s"), ("read", "read_s"), ("tokenize", "tokeniz
 
 def time_breakdown(totals: dict) -> dict:
     """{stage: seconds} (STAGE_SECONDS) plus `occupancy`: mean rows in the micro-batches over the
-    engine steps / the replica's slots (None before the first step), from JobStats totals."""
+    engine steps / the replica's slots, and `drafted_steps`: the fraction of engine steps that
+    drafted (both None before the first step), from JobStats totals."""
     out = {name: round(float(totals.get(key, 0.0)), 3) for name, key in STAGE_SECONDS}
     out["engine_idle"] = round(float(totals.get("engine_idle_s", 0.0)), 3)
     out["occupancy"] = occupancy(totals)
+    # Engine steps the draft actor proposed for; the rest had K = 0 (plain decoding, or `-k auto`
+    # chose not to draft) and skipped the draft actor altogether.
+    steps = totals.get("engine_steps", 0)
+    out["drafted_steps"] = round(totals.get("draft_steps", 0) / steps, 4) if steps else None
     return out
 
 

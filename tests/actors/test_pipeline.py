@@ -352,3 +352,41 @@ def test_feature_draft_through_the_actors():
         sampled = requests(random_prompts(6, seed=7), temperature=1.0, max_new_tokens=9)
         engine = _engine(FeatureDrafter(tiny_eagle(0, 3), VOCAB)).generate(sampled)
         assert _tokens(c.generate(sampled).results) == _tokens(engine)
+
+
+def test_steps_that_draft_nothing_skip_the_draft_actor(monkeypatch):
+    """Steps with K = 0 go straight to the target; the draft actor gets their updates with its next
+    call. Under a K schedule mixing 0 and K > 0 the tokens (greedy and seeded sampling) and every
+    row's statistics are those of asking the draft actor every step, and greedy is the target's."""
+    import itertools
+
+    from raysd.actors import coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "DRAFT_BACKLOG", 3)  # also travel on their own, in between
+    greedy, sampled = greedy_and_sampled(random_prompts(8, seed=7), max_new_tokens=14)
+    reqs = greedy + sampled
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, num_micro_batches=1, eos_token_ids=(EOS,),
+                            draft_resources=CPU, target_resources=CPU)
+    runs = {}
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
+        for skip in (True, False):
+            schedule = itertools.cycle([0, 0, 3, 0, 0, 0, 0, 2, K])  # one micro-batch: steps run in this order
+            monkeypatch.setattr(c, "_choose_k", lambda mb, s=schedule: next(s))
+            monkeypatch.setattr(c, "_skips_draft", lambda k, skip=skip: skip and k == 0)
+            runs[skip] = c.generate(reqs)
+    skipped, asked = runs[True], runs[False]
+    assert _tokens(skipped.results) == _tokens(asked.results)
+    assert [r.stats for r in skipped.results] == [r.stats for r in asked.results]
+    assert asked.report.draft_steps == asked.report.steps
+    assert 0 < skipped.report.draft_steps < skipped.report.steps / 2
+    target = tiny_model("llama", 0)
+    assert _tokens(skipped.results[:len(greedy)]) == [hf_greedy(target, list(r.prompt_token_ids), 14) for r in greedy]
+
+
+def test_plain_decoding_never_asks_the_draft_actor():
+    with _coordinator(DrafterSpec(None), k=0) as c:
+        reqs = requests(random_prompts(5, seed=8), max_new_tokens=9)
+        out = c.generate(reqs)
+    target = tiny_model("llama", 0)
+    assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 9) for r in reqs]
+    assert out.report.steps > 0 and out.report.draft_steps == 0 and out.report.draft_busy_s == 0
