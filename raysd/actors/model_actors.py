@@ -25,6 +25,8 @@ from transformers import PreTrainedModel
 
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import parse_acceptance
+from raysd.engine.adaptive import AdaptiveConfig, StepCosts
+from raysd.engine.hierarchy import AssistedDraftModelDrafter, check_inner, profile_inner_costs
 from raysd.engine.rows import Request
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
@@ -53,9 +55,21 @@ class DrafterSpec:
     max_ngram: int = 3
     probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
     runner: str = "auto"  # the draft model's KV cache (raysd.models.runners)
+    # Hierarchical speculation (raysd.engine.hierarchy): "ngram" lets n-gram lookup draft for the
+    # draft model, at most `inner_k` per middle step, chosen by goodput on the draft model's step
+    # costs profiled in the actor at `inner_batch_sizes` (`inner_adaptive`), else always inner_k.
+    inner: str = "none"
+    inner_k: int = 4
+    inner_adaptive: bool = True
+    inner_batch_sizes: tuple[int, ...] = (1, 16)
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        check_inner(self.inner)
+        if self.inner != "none" and self.model_factory is None:
+            raise ValueError(f"draft assist {self.inner!r} needs a draft model")
+        if not 0 <= self.inner_k <= 64:
+            raise ValueError(f"inner_k must be in 0..64, got {self.inner_k}")
         if self.draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {self.draft_top_m}")
         if self.draft_top_m and self.model_factory is None:
@@ -65,11 +79,20 @@ class DrafterSpec:
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 
-    def build(self, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int, device: torch.device) -> Drafter:
+    def build(self, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int, device: torch.device,
+              inner_costs: StepCosts | None = None) -> Drafter:
+        """`inner_costs`: the draft model's step costs for the inner k (profile_inner_costs), under inner_adaptive."""
         if model is None:
             return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
         if isinstance(model, EagleDraft):
+            if self.inner != "none":
+                raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
             return FeatureDrafter(model, target_vocab_size, runner=self.runner)
+        if self.inner == "ngram":
+            adaptive = AdaptiveConfig(inner_costs) if self.inner_adaptive and inner_costs is not None else None
+            return AssistedDraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
+                                             inner_k=self.inner_k, inner_adaptive=adaptive,
+                                             min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner)
 
 
@@ -187,8 +210,12 @@ class DraftActor:
         if isinstance(target_vocab_size, str):  # the target actor's name
             target_vocab_size = _ask_target_vocab_size(target_vocab_size)
         self.target_vocab_size = target_vocab_size
-        self.store = _MicroBatchStore(
-            lambda limits: DraftSide(spec.build(self.model, target_vocab_size, self.device), limits, self.device))
+        self.inner_costs = None  # the draft model's own step costs, for the inner k of draft assist
+        if spec.inner != "none" and spec.inner_adaptive and self.model is not None and not isinstance(self.model, EagleDraft):
+            with torch.inference_mode():
+                self.inner_costs = profile_inner_costs(self.model, spec.inner_k, spec.inner_batch_sizes)
+        self.store = _MicroBatchStore(lambda limits: DraftSide(
+            spec.build(self.model, target_vocab_size, self.device, self.inner_costs), limits, self.device))
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
@@ -203,7 +230,8 @@ class DraftActor:
             limit = 2**31 - 1
         else:
             limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
-        trees = self.model is None or (not feature and self.spec.runner != "dynamic" and supports_static(self.model))
+        trees = self.model is None or (not feature and self.spec.runner != "dynamic" and supports_static(self.model)
+                                       and self.spec.inner == "none")
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
 
     def apply(self, mb: int, updates: Sequence[MicroBatchUpdate]) -> None:

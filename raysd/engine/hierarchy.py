@@ -18,14 +18,15 @@ the target. The tokens it hands up therefore follow the draft model's law exactl
 token, and it reports as `draft_probs` the draft model's distribution at each of them
 (temperature, top-k, top-p and top-m applied, as `DraftModelDrafter._draft_logits`): all the top
 level's rejection test needs for the output to follow the target exactly. Greedy rows hand up
-exactly the draft model's greedy tokens. Inner k = 0 is one draft-model forward per token: two
-levels, the plain `DraftModelDrafter`, exactly.
+exactly the draft model's greedy tokens. Inner k = 0 is two levels: the call is the plain
+`DraftModelDrafter.propose`, token for token (seeded samples included).
 
-k is chosen each middle step by goodput like the top level's K (`raysd.engine.adaptive`):
+k is chosen once per propose call, by goodput like the top level's K (`raysd.engine.adaptive`):
 E(alpha_inner, k) draft tokens per draft-model forward of k + 1 tokens, with the draft model's
 measured step costs (`profile_inner_costs`) and the n-gram's acceptance by the draft model
 (sum_x min(q(x), one_hot(x)) = q(drafted token)) pooled over rows. k = 0 when the lookup does
-not pay: the controller chooses between two and three levels.
+not pay: the controller chooses between two and three levels. (As for the top level's K, a pool
+that has turned pessimistic gathers no more evidence: two levels, once chosen, stay.)
 
 Randomness: the middle step that starts at a row's i-th handed-up token draws from
 counter_uniforms keyed by the 53 bits of that row's i-th drafting uniform (the engine's
@@ -148,11 +149,12 @@ class AssistedDraftModelDrafter(DraftModelDrafter):
     def propose_tree(self, shape, max_depths, sampling, uniforms):
         raise ValueError("tree drafting does not take an assisted draft model (draft assist 'ngram'): use a chain")
 
-    def _choose_inner_k(self, need: Sequence[int]) -> int:
+    def _choose_inner_k(self, want: Sequence[int]) -> int:
+        """The inner k of this propose call's middle steps: inner_k, or by goodput over the rows drafting."""
         if self.controller is None:
             return self.inner_k
-        active = [b for b, n in enumerate(need) if n > 0]
-        budgets = [min(self.inner_k, need[b] - 1) for b in active]
+        active = [b for b, n in enumerate(want) if n > 0]
+        budgets = [min(self.inner_k, want[b] - 1) for b in active]
         return self.controller.choose_k_from([self._overlap[b] for b in active], [self._tested[b] for b in active], budgets)
 
     def propose(self, max_drafts, sampling, uniforms):
@@ -165,6 +167,14 @@ class AssistedDraftModelDrafter(DraftModelDrafter):
             return Proposal.empty(B, self.target_vocab_size, device)
         stats = self.inner_stats
         stats.proposals += 1
+        k_in = self._choose_inner_k(want)
+        if k_in == 0:  # two levels: the plain draft model, token for token (no read-backs)
+            stats.middle_steps += K
+            stats.row_steps += sum(want)
+            stats.handed_up += sum(want)
+            stats.inner_k_chosen.append(0)
+            return super().propose(max_drafts, sampling, uniforms)
+        stats.inner_k_chosen.append(k_in)
         out: list[list[int]] = [[] for _ in range(B)]  # tokens handed up so far, per row
         probs = torch.zeros(B, K, self.target_vocab_size, device=device)  # [B, K, V] draft_probs handed up
         bits = (uniforms[:, :K].double() * 2.0**53).long()  # [B, K] the keys of the middle steps' draws
@@ -175,8 +185,6 @@ class AssistedDraftModelDrafter(DraftModelDrafter):
             need = [w - len(o) for w, o in zip(want, out)]
             if not any(n > 0 for n in need):
                 break
-            k_in = self._choose_inner_k(need)
-            stats.inner_k_chosen.append(k_in)
             # 1. Inner drafts by lookup on each row's tokens and what it handed up so far; at most
             #    need - 1, so the middle step's bonus token can be the row's last.
             inner = [self.ngram.lookup(h + o, min(k_in, n - 1)) if n > 0 else [] for h, o, n in

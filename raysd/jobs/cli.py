@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "target pass, exactly (a draft model on the static runner, or ngram's several matches; Llama-family "
                         "target; docs/trees.md); "
                         "0: a chain of K drafts (default: 0)")
+    m.add_argument("--draft-assist", default="none", choices=("none", "ngram"),
+                   help="'ngram': n-gram prompt lookup drafts for the draft model, which verifies exactly, so the "
+                        "target still sees the draft model's law (three levels; inner K chosen by goodput, 0 = two "
+                        "levels; docs/hierarchy.md); needs a draft model (default: none)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
     m.add_argument("--allow-pickle-weights", action="store_true",
                    help="load pickled weights (pytorch_model.bin, .pt) when a model has no safetensors; unpickling runs "

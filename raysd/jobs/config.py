@@ -17,6 +17,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
 # there: checking a config must not import torch.
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
 
 
 class JobError(Exception):
@@ -40,6 +41,7 @@ class GenerateConfig:
     num_speculative_tokens: int | str = 4  # or "auto": K in 0..AUTO_MAX_K chosen each step for goodput
     acceptance: str = "exact"  # or "relaxed:LAMBDA": lossy, Yin et al. 2024 (EngineConfig.acceptance)
     tree_budget: int = 0  # P > 0: a draft tree of at most P nodes per row per step, K deep (EngineConfig.tree_budget)
+    draft_assist: str = "none"  # "ngram": n-gram lookup drafts for the draft model (three levels; raysd.engine.hierarchy)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -83,6 +85,14 @@ class GenerateConfig:
         need(not P or self.num_speculative_tokens != AUTO, "--tree-budget needs a fixed --num-speculative-tokens (the tree's depth), not auto")
         need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
         need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")
+        need(self.draft_assist in DRAFT_ASSISTS, f"--draft-assist must be one of {', '.join(DRAFT_ASSISTS)}, got {self.draft_assist!r}")
+        need(self.draft_assist == "none" or self.draft_is_model,
+             f"--draft-assist {self.draft_assist} needs a draft model (--draft MODEL), got --draft {self.draft}")
+        need(self.draft_assist == "none" or not P, "--draft-assist drafts a chain: use --tree-budget 0")
+        from raysd.models.loading import draft_kind
+
+        need(self.draft_assist == "none" or draft_kind(self.draft) != "eagle",
+             f"--draft-assist {self.draft_assist} needs a draft model, not an EAGLE feature draft ({self.draft})")
         need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         need(self.temperature >= 0 and self.temperature == self.temperature, f"--temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
@@ -128,6 +138,8 @@ class GenerateConfig:
             fingerprint["acceptance"] = self.acceptance
         if self.tree_budget:  # likewise absent for a chain
             fingerprint["tree_budget"] = self.tree_budget
+        if self.draft_assist != "none":  # and for two levels (the assist changes the seeded samples)
+            fingerprint["draft_assist"] = self.draft_assist
         return fingerprint
 
     def to_dict(self) -> dict:

@@ -220,7 +220,7 @@ class GenerationReplica:
             if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
                 drafter = DrafterSpec(functools.partial(load_eagle_for, cfg.draft, target_spec, cfg.draft_dtype))
             else:
-                drafter = DrafterSpec(functools.partial(load_model, draft_spec))
+                drafter = DrafterSpec(functools.partial(load_model, draft_spec), inner=cfg.draft_assist)
             draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus)
         else:  # n-gram lookup or no drafting: no model, no GPU
             drafter = DrafterSpec(None)

@@ -19,6 +19,9 @@ from pathlib import Path
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
 
 
+ASSIST = "+ngram"  # `--draft MODEL+ngram`: n-gram lookup drafts for the draft model MODEL (raysd.engine.hierarchy)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -29,7 +32,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL, help=f"HF id or path of the target (default: embedded {DEFAULT_MODEL})")
     p.add_argument("--draft", action="append", default=None,
-                   help="a drafter: HF id/path of a draft model, 'ngram', or 'none'; repeat for several (default: ngram). "
+                   help="a drafter: HF id/path of a draft model, 'ngram', or 'none'; MODEL+ngram: three levels, n-gram "
+                        "lookup drafting for the draft model MODEL; repeat for several (default: ngram). "
                         "The no-draft baseline is always run.")
     p.add_argument("--prompts", default=None,
                    help="JSONL of prompts (prompt_token_ids, prompt or turns; task or category); default: Spec-Bench "
@@ -75,6 +79,15 @@ def run(args: argparse.Namespace) -> int:
             continue
         if name == "ngram":
             drafters[name] = lambda: NgramDrafter(vocab, args.device)
+        elif name.endswith(ASSIST):  # three levels: n-gram lookup drafts for the draft model (docs/hierarchy.md)
+            from raysd.engine.adaptive import AdaptiveConfig
+            from raysd.engine.hierarchy import AssistedDraftModelDrafter, profile_inner_costs
+
+            model = load_model(ModelSpec(name[: -len(ASSIST)], args.dtype, args.device))
+            with torch.inference_mode():  # the inner k by goodput on the draft model's own step costs
+                inner = AdaptiveConfig(profile_inner_costs(model, 4, args.batch_sizes, args.profile_context, args.profile_reps))
+            drafters[name] = lambda model=model, name=name, inner=inner: AssistedDraftModelDrafter(
+                model, vocab, name=name, inner_adaptive=inner)
         else:
             model = load_model(ModelSpec(name, args.dtype, args.device))
             drafters[name] = lambda model=model, name=name: DraftModelDrafter(model, vocab, name=name)

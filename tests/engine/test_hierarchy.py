@@ -59,15 +59,16 @@ def test_greedy_matches_target_generate_and_two_levels(llama_greedy, runner, dra
 
 
 def test_inner_k_zero_is_two_levels():
+    """Inner k = 0 is the plain draft model, token for token, seeded samples included."""
     target, draft = tiny_model("llama"), tiny_model("llama", seed=123, layers=1)
     ps = repetitive_prompts()
     params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, ignore_eos=True)
     three = AssistedDraftModelDrafter(draft, VOCAB, inner_k=0)
     got = run(target, three, ps, 4, 4, 16, params=params)
-    # With no inner drafts a middle step is one draft forward and a draw from q with the middle
-    # level's own uniforms: the law is the two-level one; the middle level takes a step per token.
-    assert three.inner_stats.row_steps == three.inner_stats.handed_up and three.inner_stats.inner_drafted == 0
-    assert all(len(r.token_ids) == 16 for r in got)
+    two = run(target, DraftModelDrafter(draft, VOCAB), ps, 4, 4, 16, params=params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in two]
+    s = three.inner_stats
+    assert s.row_steps == s.handed_up > 0 and s.inner_drafted == 0 and set(s.inner_k_chosen) == {0}
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
