@@ -35,7 +35,7 @@ from raysd.models.features import EagleCausalLM
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
 from raysd.models.static_runner import supports_static
-from raysd.models.profile import time_forward
+from raysd.models.profile import time_forward, time_forward_upto
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
 ModelFactory = Callable[[], PreTrainedModel]  # picklable, e.g. functools.partial(load_model, spec)
@@ -271,8 +271,7 @@ class TargetActor:
         """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
         out = []
         for B in batch_sizes:
-            times = time_forward(self.model, B, range(k_max + 1), context, reps)
-            out.append([times[k] for k in range(k_max + 1)])
+            out.append(time_forward_upto(self.model, B, k_max, context, reps))
         return out
 
     def info(self) -> ActorInfo:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.core.theory import expected_tokens_per_step
-from raysd.models.profile import time_forward
+from raysd.models.profile import time_forward, time_forward_upto
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,6 @@ def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence
     draft forward per batch size (a model-free drafter counts as free)."""
     target_s, draft_s = [], []
     for B in batch_sizes:
-        times = time_forward(target, B, range(k_max + 1), context, reps)
-        target_s.append(tuple(times[k] for k in range(k_max + 1)))
+        target_s.append(tuple(time_forward_upto(target, B, k_max, context, reps)))
         draft_s.append(time_forward(draft, B, [0], context, reps)[0] if draft is not None else 0.0)
     return StepCosts(tuple(batch_sizes), tuple(target_s), tuple(draft_s))

@@ -59,3 +59,20 @@ def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, 
         n = torch.full((batch_size,), k + 1, dtype=torch.int64, device=runner.device)
         out[k] = median_time(lambda: runner.forward(ids, valid, n), reps, runner.device, lambda: runner.rollback(base))
     return out
+
+
+def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, reps: int = 3) -> list[float]:
+    """[k_max + 1] seconds of one forward of K + 1 tokens per row, K = 0..k_max: measured at K = 0
+    and the powers of two up to k_max (and k_max), linear in between. A forward's time is close to
+    piecewise linear in its tokens, and the adaptive controller weighs steps, not microseconds:
+    measuring 5 of 9 points takes about half the start-up (issue 17: a profile must cost less
+    than it saves)."""
+    ks = sorted({0, k_max, *(2**i for i in range(k_max.bit_length()) if 2**i <= k_max)})
+    measured = time_forward(model, batch_size, ks, context, reps)
+    out = []
+    for k in range(k_max + 1):
+        hi = next(x for x in ks if x >= k)
+        lo = max(x for x in ks if x <= k)
+        w = 0.0 if hi == lo else (k - lo) / (hi - lo)
+        out.append((1 - w) * measured[lo] + w * measured[hi])
+    return out
