@@ -30,9 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (HF id or path), 'ngram' (prompt lookup), or 'none' "
                    f"(plain autoregressive) (default: {DEFAULT_DRAFT})")
     m.add_argument("--draft-dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=4,
+    m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=None,
                    help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
-                        "and step costs profiled at start-up (default: 4)")
+                        "and step costs profiled at start-up (cached per models and machine); steps with K = 0 "
+                        "skip the drafter (default: auto; with --tree-budget: 4, the tree's depth)")
     m.add_argument("--acceptance", default="exact",
                    help="'exact' (outputs follow the target's distribution), or 'relaxed:LAMBDA' with LAMBDA in [0, 1]: "
                         "verify against (1 - LAMBDA) target + LAMBDA draft, LOSSY (total variation LAMBDA x TV(target, "

@@ -12,6 +12,11 @@ DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run 
 DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
+# K when --num-speculative-tokens is not given: chosen each step, so a drafter that does not pay
+# (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/benchmarks.md,
+# Benchmark 7); a tree's depth must be fixed, and is TREE_DEFAULT_DEPTH.
+DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
+TREE_DEFAULT_DEPTH = 4
 DEFAULT_MAX_NEW_TOKENS = 64
 # Where a replica's draft and target actors go (Ray placement group strategies; the coordinator's
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
@@ -38,7 +43,8 @@ class GenerateConfig:
     target_dtype: str = "float32"
     draft: str = DEFAULT_DRAFT  # HF id or path, "ngram", or "none" (plain autoregressive decoding)
     draft_dtype: str = "float32"
-    num_speculative_tokens: int | str = 4  # or "auto": K in 0..AUTO_MAX_K chosen each step for goodput
+    # K, or "auto": K in 0..AUTO_MAX_K chosen each step for goodput. None: the default (above).
+    num_speculative_tokens: int | str | None = None
     acceptance: str = "exact"  # or "relaxed:LAMBDA": lossy, Yin et al. 2024 (EngineConfig.acceptance)
     tree_budget: int = 0  # P > 0: a draft tree of at most P nodes per row per step, K deep (EngineConfig.tree_budget)
     draft_assist: str = "none"  # "ngram": n-gram lookup drafts for the draft model (three levels; raysd.engine.hierarchy)
@@ -64,6 +70,9 @@ class GenerateConfig:
             if not ok:
                 raise JobError(message)
 
+        if self.num_speculative_tokens is None:
+            default = TREE_DEFAULT_DEPTH if self.tree_budget else DEFAULT_NUM_SPECULATIVE_TOKENS
+            object.__setattr__(self, "num_speculative_tokens", default)
         need(bool(self.input), "--input must not be empty")
         need(bool(self.output), "--output must not be empty")
         need(bool(self.prompt_column), "--prompt-column must not be empty")

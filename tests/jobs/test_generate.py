@@ -68,7 +68,7 @@ def test_job_matches_engine_with_error_rows_and_overrides(tmp_path, model_dirs, 
     pq.write_table(pa.Table.from_pylist(rows[:6]), inp / "a.parquet")
     pq.write_table(pa.Table.from_pylist(rows[6:]), inp / "b.parquet")
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft, max_new_tokens=10,
-                         seed=3, batch_size=4, quiet=True)
+                         seed=3, batch_size=4, quiet=True, num_speculative_tokens=4)  # the reference engine's K
     summary = generate(cfg)
 
     out = read_output(cfg.output)
