@@ -116,7 +116,7 @@ def real_model(a) -> dict:
     tok = load_tokenizer(DEFAULT_MODEL)
     target, draft = load_model(ModelSpec(DEFAULT_MODEL)), load_model(ModelSpec(DRAFT))
     prompts = load_prompts(tok, a.per_task)
-    requests = [Request(i, p["ids"], SamplingParams(temperature=1.0, seed=i, max_new_tokens=a.max_new_tokens, ignore_eos=True))
+    requests = [Request(i, p["ids"], SamplingParams(temperature=1.0, seed=a.seed_offset + i, max_new_tokens=a.max_new_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     engine_run(target, draft, 0.0, a.k, len(requests), requests[:2])  # warm-up
     rows = []
@@ -340,6 +340,7 @@ def main() -> None:
     p.add_argument("--tiny-spread", type=float, default=8.0)
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--seed-offset", type=int, default=0, help="real model: seed = offset + prompt index")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "relaxed_bench.json"))
     p.add_argument("--plot", default=str(ROOT / "notebooks" / "relaxed_front.png"))
     p.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --out")
