@@ -76,6 +76,31 @@ def run(target, make_drafter, prompts, k, T, batch, max_new, eos, adaptive=None)
     return row, [r.token_ids for r in results]
 
 
+def predict(result: dict) -> None:
+    """Add theory's step time and tokens/s to every row, from the profiled step costs (in place):
+    two levels T_target(B, K + 1) + K T_draft(B); three levels T_target(B, K + 1) + (K / E_in)
+    T_draft(B, k + 1), E_in = expected_tokens_per_step(alpha_in, k) draft tokens per middle step;
+    tokens/s = B expected_tokens_per_step(alpha, K) / step time, at the measured alpha, mean K and k."""
+    from raysd.engine.adaptive import StepCosts
+
+    sc, ic = result["step_costs"], result["inner_step_costs"]
+    costs = StepCosts(tuple(sc["batch_sizes"]), tuple(map(tuple, sc["target_s"])), tuple(sc["draft_s"]))
+    inner = StepCosts(tuple(ic["batch_sizes"]), tuple(map(tuple, ic["draft_s"])), tuple(0.0 for _ in ic["batch_sizes"]))
+    B = result["args"]["batch"]
+    for r in result["rows"]:
+        if r["alpha"] is None or r["mean_k"] <= 0:
+            continue
+        K = min(round(r["mean_k"]), costs.k_max)
+        draft = K * costs.draft(B)
+        i = r.get("inner")
+        if i and i["inner_acceptance_rate"] is not None and round(i["mean_inner_k"]) > 0:
+            k = min(round(i["mean_inner_k"]), inner.k_max)
+            draft = K / expected_tokens_per_step(i["inner_acceptance_rate"], k) * inner.target(B, k)
+        step = costs.target(B, K) + draft
+        r["predicted_step_s"] = step
+        r["predicted_tok_s"] = B * expected_tokens_per_step(min(max(r["alpha"], 0.0), 1.0), K) / step
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-task", type=int, default=1, help="Spec-Bench prompts per task (6 tasks)")
@@ -89,7 +114,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hierarchy_bench.json"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--predict-only", action="store_true", help="add theory's predictions to an existing --out and exit")
     a = ap.parse_args(argv)
+    if a.predict_only:
+        result = json.loads(Path(a.out).read_text())
+        predict(result)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        for r in result["rows"]:
+            print(r["T"], r["config"], round(r["tok_s"], 2), round(r.get("predicted_tok_s") or 0, 2))
+        return 0
     if a.quick:
         a.per_task, a.max_new_tokens, a.batch, a.ks, a.three, a.repeats = 1, 12, 6, "4", "4/2,4/auto", 1
         a.out = "/tmp/hierarchy_bench_quick.json"
@@ -118,6 +151,19 @@ def main(argv=None) -> int:
                 AssistedDraftModelDrafter(draft, vocab, inner_k=k_in, inner_adaptive=adapt))
         configs[f"three:{spec}"] = (make, a.k_max if top == "auto" else int(top), top_auto if top == "auto" else None)
 
+    def save(rows, partial):
+        """The results so far (after each temperature: a long run interrupted keeps its first half)."""
+        result = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+                  "machine": machine(), "uptime": [uptime_start, subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()],
+                  "args": vars(a), "profile_s": profile_s, "prompts": len(prompts), "partial": partial,
+                  "step_costs": {"batch_sizes": costs.batch_sizes, "target_s": costs.target_s, "draft_s": costs.draft_s},
+                  "inner_step_costs": {"batch_sizes": inner_costs.batch_sizes, "draft_s": inner_costs.target_s},
+                  "rows": rows}
+        predict(result)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        return result
+
     rows = []
     for T in (0.0, 1.0):
         load = loadavg()
@@ -130,7 +176,7 @@ def main(argv=None) -> int:
                     reference = tokens if reference is None else reference
                     assert tokens == reference, f"{name}: greedy tokens differ"
                 runs[name].append(row)
-                print(json.dumps({"T": T, "config": name, **{k_: v for k_, v in row.items() if k_ != "inner"}}), flush=True)
+                print(json.dumps({"T": T, "config": name, **row}), flush=True)
         for name, rs in runs.items():
             last = rs[-1]
             out = {"T": T, "config": name, "levels": 3 if name.startswith("three") else 2,
@@ -155,28 +201,16 @@ def main(argv=None) -> int:
         print(json.dumps({"T": T, "best_two": best_two["config"], "best_two_tok_s": best_two["tok_s"],
                           "best_three": best_three["config"], "best_three_tok_s": best_three["tok_s"],
                           "three_vs_two": best_three["tok_s"] / best_two["tok_s"]}), flush=True)
+        save(rows, partial=T == 0.0)
 
-    uptime_end = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    result = {"command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-              "machine": machine(), "uptime": [uptime_start, uptime_end], "args": vars(a), "profile_s": profile_s,
-              "prompts": len(prompts),
-              "step_costs": {"batch_sizes": costs.batch_sizes, "target_s": costs.target_s, "draft_s": costs.draft_s},
-              "inner_step_costs": {"batch_sizes": inner_costs.batch_sizes, "draft_s": inner_costs.target_s},
-              "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print("| T | config | tok/s | tokens/pass (theory) | alpha | mean K | draft s/step | target s/step | tokens/draft fwd (theory) | inner acc | mean inner k |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        i = r.get("inner", {})
-        pred = r.get("predicted_tokens_per_pass")
-        print(f"| {r['T']:g} | {r['config']} | {r['tok_s']:.1f} | {r['tokens_per_pass']:.2f}"
-              f" ({pred:.2f}) | " if pred else f"| {r['T']:g} | {r['config']} | {r['tok_s']:.1f} | {r['tokens_per_pass']:.2f} | ",
-              end="")
-        print(f"{r['alpha']:.3f} | {r['mean_k']:.2f} | {1e3 * r['draft_s_per_step']:.1f} ms | {1e3 * r['target_s_per_step']:.1f} ms | "
-              + (f"{i['tokens_per_middle_step']:.2f} ({r.get('predicted_tokens_per_middle_step', float('nan')):.2f}) | "
-                 f"{i['inner_acceptance_rate'] if i['inner_acceptance_rate'] is None else round(i['inner_acceptance_rate'], 3)} | "
-                 f"{i['mean_inner_k']:.2f} |" if i else "1.00 | - | - |"))
+
+    save(rows, partial=False)
+    for r in rows:  # the table of docs/benchmarks.md, Benchmark 8
+        i = r.get("inner") or {}
+        acc = i.get("inner_acceptance_rate")
+        print(f"| {r['T']:g} | {r['config']} | {r['tok_s']:.1f} | {r['mean_k']:.2f} | {r['tokens_per_pass']:.2f} | "
+              f"{r['draft_s_per_step'] / r['target_s_per_step']:.2f} | {i.get('tokens_per_middle_step', 1.0):.2f} | "
+              f"{'-' if acc is None else round(acc, 3)} | {i.get('mean_inner_k', 0.0):.2f} |")
     return 0
 
 
