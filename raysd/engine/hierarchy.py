@@ -254,7 +254,7 @@ class AssistedDraftModelDrafter(DraftModelDrafter):
             if len(o) > 1:
                 spec[b, : len(o) - 1] = torch.tensor(o[:-1], dtype=torch.int64)
         fed_host = tuple(max(len(o) - 1, 0) for o in out)
-        self.seqs._spec = [(spec.to(device), torch.tensor(fed_host, dtype=torch.int64).to(device), fed_host)]
+        self.seqs.replace_speculative(spec, fed_host)
         tokens = torch.zeros(B, K, dtype=torch.int64)
         for b, o in enumerate(out):
             tokens[b, : len(o)] = torch.tensor(o, dtype=torch.int64)

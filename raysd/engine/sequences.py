@@ -77,6 +77,13 @@ class SequenceState:
             self._spec.append((extra, extra_counts, host_counts))
         return logits
 
+    def replace_speculative(self, tokens: torch.Tensor, host_counts: Sequence[int]) -> None:
+        """Declare what the cache holds past each row's committed tokens: `tokens[b, :host_counts[b]]`
+        ([B, F]), fed already and to be kept by `commit` as far as they are accepted. For a caller
+        that fed, verified and rolled back drafts of its own (raysd.engine.hierarchy's middle level)."""
+        counts = torch.as_tensor(list(host_counts), dtype=torch.int64, device=self.device)  # [B]
+        self._spec = [(tokens.to(self.device), counts, tuple(int(h) for h in host_counts))]
+
     def commit(self, new_tokens: Sequence[Sequence[int]], num_accepted: Sequence[int] | None = None) -> None:
         """Make `new_tokens[b]` (at least one per row) the next committed tokens of row b.
 
