@@ -131,7 +131,8 @@ def main(argv=None) -> dict:
             f.write(json.dumps({"id": i, "prompt": [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))]}) + "\n")
     draft = str(root / "draft") if a.draft == "model" else a.draft
     cfg = GenerateConfig(input=str(root / "in.jsonl"), output=str(root / "out"), target=str(root / "target"), draft=draft,
-                         max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, rows_per_file=a.rows_per_file, quiet=True)
+                         max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, rows_per_file=a.rows_per_file, quiet=True,
+                         num_speculative_tokens=4)  # as the documented soak ran: every step drafts
     started_ray = not ray.is_initialized()
     if started_ray:
         start_local_ray(num_cpus=max(os.cpu_count() or 1, 2), log_to_driver=False, configure_logging=False)

@@ -40,7 +40,8 @@ def test_relaxed_one_accepts_every_draft_and_rows_say_so(tmp_path, model_dirs, l
     rows = {}
     for rule in ("exact", "relaxed:1"):
         cfg = GenerateConfig(input=str(inp), output=str(tmp_path / rule.replace(":", "_")), target=target, draft=draft,
-                             max_new_tokens=8, temperature=1.0, batch_size=4, quiet=True, acceptance=rule)
+                             max_new_tokens=8, temperature=1.0, batch_size=4, quiet=True, acceptance=rule,
+                             num_speculative_tokens=4)  # fixed: auto could choose not to draft at all
         generate(cfg)
         rows[rule] = pq.read_table(cfg.output).to_pylist()
     assert {r["acceptance"] for r in rows["exact"]} == {"exact"}

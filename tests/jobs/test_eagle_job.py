@@ -34,7 +34,8 @@ def test_an_eagle_draft_job_gives_the_targets_greedy_tokens(tmp_path, local_ray)
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=str(target_dir), draft=str(eagle_dir),
-                         max_new_tokens=9, batch_size=4, quiet=True)
+                         max_new_tokens=9, batch_size=4, quiet=True,
+                         num_speculative_tokens=4)  # fixed: auto turns a random draft off
     summary = generate(cfg)
     rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
     assert summary.rows == len(prompts) == len(rows) and summary.rows_failed == 0

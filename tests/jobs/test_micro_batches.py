@@ -64,7 +64,7 @@ def test_a_model_free_drafter_runs_one_micro_batch_without_profiling(tmp_path, m
     monkeypatch.setattr(profiles, "cached_step_costs", no_profile)
     prompts = token_prompts(10, seed=5)
     cfg = GenerateConfig(input=str(tmp_path), output=str(tmp_path / "out"), target=target, draft="ngram",
-                         max_new_tokens=6, batch_size=BATCH, quiet=True)
+                         max_new_tokens=6, batch_size=BATCH, quiet=True, num_speculative_tokens=4)  # auto profiles for K
     micro, tokens = run_replica(cfg, prompts)
     assert micro == 1
     assert tokens == reference(target, "ngram", prompts, [SamplingParams(max_new_tokens=6)] * len(prompts))

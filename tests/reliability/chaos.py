@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if fault == "driver":
                     args = ["--input", str(inp), "--output", str(out), "--id-column", "key", "--target", str(target),
-                            "--draft", str(draft), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
+                            "--draft", str(draft), "-k", "4", "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
                             "--rows-per-file", "4", "--json"]
                     got = kill_driver_mid_job(args, out)
                     o = compare(Outcome("driver", a.rows), read_rows(out), "key", expected)
@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                                "regenerated_in_flight": max(0, got["generated_at_kill"] - got["in_parts"])}
                 else:
                     cfg = GenerateConfig(input=str(inp), output=str(out), id_column="key", target=str(target), draft=str(draft),
-                                         max_new_tokens=a.max_new_tokens, batch_size=4, rows_per_file=4, quiet=True)
+                                         max_new_tokens=a.max_new_tokens, batch_size=4, rows_per_file=4, quiet=True,
+                                         num_speculative_tokens=4)
                     o, _ = kill_actor_mid_job(cfg, fault)
                     o.rows_in = a.rows
                     o = compare(o, read_rows(out), "key", expected)
@@ -565,7 +566,7 @@ def soak_main(a, root: Path, inp: Path, expected: dict, target: Path, draft: Pat
         while kills < a.soak_kills:
             out = root / f"soak-{round_no}"
             args = ["--input", str(inp), "--output", str(out), "--id-column", "key", "--target", str(target),
-                    "--draft", str(draft), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
+                    "--draft", str(draft), "-k", "4", "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "4",
                     "--rows-per-file", "8", "--replicas", "2"]
             made, missed, job = soak.run_job(args, root / f"driver-{round_no}-0", min(a.kills_per_job, a.soak_kills - kills),
                                              (a.min_gap_s, a.max_gap_s), timeout_s=a.job_timeout_s)
