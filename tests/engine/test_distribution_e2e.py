@@ -30,6 +30,24 @@ def exact_joint(target, prompt, params: SamplingParams) -> np.ndarray:
     return (first[:, None] * seconds).double().numpy()  # [V, V]
 
 
+def assert_first_two_tokens_follow_target(results, target, prompt, params: SamplingParams, length: int) -> None:
+    """Every result has `length` tokens, and the law of its first two is the target's exact joint
+    law: nothing outside its support, chi-square at 1e-3 (cells expecting < 5 pooled), and total
+    variation within E[TV] <= sqrt(m / N) / 2 over m cells plus McDiarmid's deviation at a
+    false-alarm rate of 1e-6 (tests/core/test_distribution.py)."""
+    expected = exact_joint(target, prompt, params)  # [V, V]
+    n, V = len(results), expected.shape[0]
+    counts = np.zeros((V, V))
+    for r in results:
+        assert len(r.token_ids) == length
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    support = expected.ravel() > 0
+    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
+    assert chi_square_pvalue(counts.ravel(), expected.ravel()) > 1e-3
+    tv = 0.5 * np.abs(counts / n - expected).sum()
+    assert tv <= tv_tolerance(int(support.sum()), n), tv
+
+
 def copyable_prompt(target) -> list[int]:
     """[3, 5, t, 3, 5] with t the token the target most likes there: the n-gram drafter
     then proposes t, which the target often accepts."""
@@ -50,17 +68,6 @@ def test_joint_law_of_two_tokens_matches_target(drafter_kind, k, runner):
     engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000, runner=runner))
     reqs = [Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 10_000 + i})) for i in range(N)]
     results = engine.generate(reqs)
-    counts = np.zeros((V, V))
-    for r in results:
-        assert len(r.token_ids) == 2
-        counts[r.token_ids[0], r.token_ids[1]] += 1
-    expected = exact_joint(target, prompt, base) * N
-    support = expected.ravel() > 0
-    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
-    assert chi_square_pvalue(counts.ravel(), expected.ravel() / N) > 1e-3  # cells expecting < 5 pooled
-    # Total variation: E[TV] <= sqrt(m / N) / 2 over m cells, plus McDiarmid's deviation at
-    # a false-alarm rate of 1e-6 (tests/core/test_distribution.py).
-    tv = 0.5 * np.abs(counts / N - expected / N).sum()
-    assert tv <= tv_tolerance(int(support.sum()), N), tv
+    assert_first_two_tokens_follow_target(results, target, prompt, base, length=2)
     accepted = sum(r.stats.num_accepted_draft_tokens for r in results)
     assert accepted > 0  # the drafts were really used, not all rejected
