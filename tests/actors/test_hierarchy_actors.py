@@ -5,25 +5,17 @@ samples are the single-process engine's with the same three levels."""
 from __future__ import annotations
 
 import pytest
-import ray
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.hierarchy import AssistedDraftModelDrafter
-from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, start_ray
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts
 from tests.conftest import EOS, VOCAB, tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
 K = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_ray()
-    yield
-    ray.shutdown()
 
 
 def test_three_levels_through_the_actors_match_the_target_and_the_engine():

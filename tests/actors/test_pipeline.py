@@ -20,20 +20,13 @@ from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
-from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests, start_ray
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
 from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
 K = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_ray()
-    yield
-    ray.shutdown()
 
 
 def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0)) -> SpecCoordinator:

@@ -5,25 +5,17 @@ Greedy output is the target's own; seeded samples are the single-process engine'
 from __future__ import annotations
 
 import pytest
-import ray
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests, start_ray
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
 from tests.conftest import EOS, VOCAB, tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
 K, P = 4, 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_ray()
-    yield
-    ray.shutdown()
 
 
 def test_tree_through_the_actors_matches_the_target_and_the_engine():
