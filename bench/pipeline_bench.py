@@ -68,6 +68,15 @@ def run_engine(prompts: list[dict], draft: str, k: int, batch: int, max_new: int
             "rows": {r.request_id: list(r.token_ids) for r in results}}
 
 
+def actor_cpus(draft: str) -> float:
+    """The target actor's CPUs under `raysd generate`'s default (`--num-cpus-per-actor auto` on a
+    Ray it starts here): the engine runs as many torch threads, so both sides get the same cores.
+    (The bench starts Ray itself, so it resolves auto as the runner would.)"""
+    from raysd.jobs.config import GenerateConfig
+
+    return GenerateConfig(input="-", output="-", draft=draft).resolve_actor_cpus(os.cpu_count()).actor_cpus[0]
+
+
 def run_pipeline(prompt_file: str, draft: str, k: int | str, batch: int, max_new: int, workdir: str) -> dict:
     import pyarrow.parquet as pq
 
@@ -76,7 +85,8 @@ def run_pipeline(prompt_file: str, draft: str, k: int | str, batch: int, max_new
 
     out = tempfile.mkdtemp(dir=workdir)
     cfg = GenerateConfig(input=prompt_file, output=out, draft=draft, num_speculative_tokens=k,
-                         max_new_tokens=max_new, batch_size=batch, quiet=True, overwrite=True)
+                         max_new_tokens=max_new, batch_size=batch, quiet=True, overwrite=True,
+                         num_cpus_per_actor=actor_cpus(draft))
     summary = generate(cfg).to_dict()
     table = pq.read_table(out, columns=["id", "generated_token_ids", "error"]).to_pylist()
     return {"wall_s": summary["wall_s"], "tokens": summary["generated_tokens"], "tok_s": summary["tokens_per_s"],
@@ -99,7 +109,6 @@ def main(argv=None) -> int:
                         "work on both sides), so the decoding loop, where the two differ, weighs more")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_bench.json"))
     a = p.parse_args(argv)
-    torch.set_num_threads(1)  # as each model actor runs (one CPU each)
 
     import ray
 
@@ -136,6 +145,7 @@ def main(argv=None) -> int:
         for rep in range(a.repeats):
             for variant in (variants if rep % 2 == 0 else variants[::-1]):
                 draft, k = parse_variant(variant)
+                torch.set_num_threads(int(actor_cpus(draft)))  # as the target actor runs
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
                     r = run_engine(prompts, draft, k, b, a.max_new_tokens) if side == "engine" else \
                         run_pipeline(prompt_file, draft, k, b, a.max_new_tokens, workdir)
@@ -146,7 +156,7 @@ def main(argv=None) -> int:
         for variant in variants:
             draft, k = parse_variant(variant)
             runs = all_runs[variant]
-            row = {"batch": b, "draft": draft, "k": k, "loadavg": [r["loadavg"] for rs in runs.values() for r in rs]}
+            row = {"batch": b, "draft": draft, "k": k, "threads": int(actor_cpus(draft)), "loadavg": [r["loadavg"] for rs in runs.values() for r in rs]}
             if "engine" in runs:
                 eng = runs["engine"]
                 row.update({"engine_tok_s": median([r["tok_s"] for r in eng]),

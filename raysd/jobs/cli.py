@@ -63,13 +63,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=int, default=16, help="rows per Ray Data block and per call on a replica (default: 16)")
     r.add_argument("--replicas", type=int, default=1, help="draft/target actor pairs running in parallel: the generation stage's actor pool (default: 1)")
     r.add_argument("--num-gpus-per-actor", type=float, default=0.0, help="GPUs for each model actor; 0.5 shares one GPU per pair (default: 0)")
-    r.add_argument("--num-cpus-per-actor", type=float, default=1.0, help="CPUs for each model actor (default: 1)")
+    r.add_argument("--num-cpus-per-actor", type=_cpus_value, default=None,
+                   help="CPUs (torch threads) for each model actor, or auto: on a local Ray without GPUs the machine's "
+                        "cores, shared by the replicas' target and draft models (all to the target with ngram or none); "
+                        "1 on a cluster (default: auto)")
     r.add_argument("--placement-strategy", default="STRICT_PACK", choices=PLACEMENT_STRATEGIES,
                    help="where a replica's draft and target actors go: STRICT_PACK (one node, the default), PACK, "
                         "SPREAD or STRICT_SPREAD (over nodes)")
     r.add_argument("--address", default=None, help="existing Ray cluster (default: the submitted job's cluster, else a local Ray on localhost)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; print only the summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _cpus_value(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of CPUs or 'auto', got {text!r}") from None
 
 
 def _k_value(text: str) -> int | str:

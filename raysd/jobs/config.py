@@ -22,7 +22,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
 # there: checking a config must not import torch.
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
+DRAFT_ASSISTS = ("none", "ngram")
+MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
 
 
 class JobError(Exception):
@@ -56,7 +57,7 @@ class GenerateConfig:
     batch_size: int = 16  # rows per call on a replica (split into two pipelined micro-batches)
     replicas: int = 1  # draft/target actor pairs running in parallel
     num_gpus_per_actor: float = 0.0
-    num_cpus_per_actor: float = 1.0
+    num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
     address: str | None = None  # an existing Ray cluster; None starts a local one
@@ -114,11 +115,12 @@ class GenerateConfig:
             self.num_gpus_per_actor <= 1 or self.num_gpus_per_actor == int(self.num_gpus_per_actor),
             f"--num-gpus-per-actor above 1 must be whole, got {self.num_gpus_per_actor}",
         )
-        need(self.num_cpus_per_actor >= 0, f"--num-cpus-per-actor must be >= 0, got {self.num_cpus_per_actor}")
-        need(
-            self.num_cpus_per_actor > 0 or self.num_gpus_per_actor > 0,
-            "--num-cpus-per-actor and --num-gpus-per-actor cannot both be 0",
-        )
+        if self.num_cpus_per_actor is not None:
+            need(self.num_cpus_per_actor >= 0, f"--num-cpus-per-actor must be >= 0, got {self.num_cpus_per_actor}")
+            need(
+                self.num_cpus_per_actor > 0 or self.num_gpus_per_actor > 0,
+                "--num-cpus-per-actor and --num-gpus-per-actor cannot both be 0",
+            )
         need(self.placement_strategy in PLACEMENT_STRATEGIES,
              f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
@@ -126,6 +128,29 @@ class GenerateConfig:
     @property
     def draft_is_model(self) -> bool:
         return self.draft not in (NGRAM, NO_DRAFT)
+
+    @property
+    def actor_cpus(self) -> tuple[float, float]:
+        """(target, draft) actor CPUs of a replica. A model-free drafter (n-gram lookup, none) runs no
+        model and takes a sliver, so the target's CPUs are the replica's; `auto` left unresolved (an
+        existing cluster, whose nodes this job does not own) is 1 per model actor."""
+        cpus = 1.0 if self.num_cpus_per_actor is None else self.num_cpus_per_actor
+        return cpus, (cpus if self.draft_is_model else MODEL_FREE_DRAFT_CPUS)
+
+    def resolve_actor_cpus(self, local_cores: int | None) -> "GenerateConfig":
+        """`--num-cpus-per-actor auto` made a number. On a Ray this job starts on this machine
+        (`local_cores` known) without GPUs, the model actors share the machine's cores: each
+        replica's target and draft model get an equal share, the target all of it with a
+        model-free drafter. torch runs as many threads as its actor has CPUs (Ray sets
+        OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
+        than with one (docs/benchmarks.md, Benchmark 6). Elsewhere (GPUs, or a cluster) 1."""
+        if self.num_cpus_per_actor is not None:
+            return self
+        cpus = 1.0
+        if local_cores and self.num_gpus_per_actor == 0:
+            models = self.replicas * (2 if self.draft_is_model else 1)
+            cpus = float(max(1, local_cores // models))
+        return dataclasses.replace(self, num_cpus_per_actor=cpus)
 
     @property
     def adaptive_speculation(self) -> bool:

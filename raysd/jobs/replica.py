@@ -212,6 +212,7 @@ class GenerationReplica:
         thread = threading.Thread(target=load_tok, daemon=True)
         thread.start()
         gpus = cfg.num_gpus_per_actor
+        target_cpus, draft_cpus = cfg.actor_cpus
         target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code,
                                 allow_pickle_weights=cfg.allow_pickle_weights)
         if cfg.draft_is_model:
@@ -221,10 +222,10 @@ class GenerationReplica:
                 drafter = DrafterSpec(functools.partial(load_eagle_for, cfg.draft, target_spec, cfg.draft_dtype))
             else:
                 drafter = DrafterSpec(functools.partial(load_model, draft_spec), inner=cfg.draft_assist)
-            draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus)
+            draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=gpus)
         else:  # n-gram lookup or no drafting: no model, no GPU
             drafter = DrafterSpec(None)
-            draft_res = ActorResources(num_cpus=cfg.num_cpus_per_actor or 0.01, num_gpus=0)
+            draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=0)
         ccfg = CoordinatorConfig(
             num_speculative_tokens=self.K,
             # One micro-batch until the step costs say two pay (below): a model-free drafter has
@@ -232,7 +233,7 @@ class GenerationReplica:
             micro_batch_size=cfg.batch_size,
             num_micro_batches=1,
             draft_resources=draft_res,
-            target_resources=ActorResources(num_cpus=cfg.num_cpus_per_actor, num_gpus=gpus),
+            target_resources=ActorResources(num_cpus=target_cpus, num_gpus=gpus),
             placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
             acceptance=cfg.acceptance,
@@ -259,7 +260,7 @@ class GenerationReplica:
             sizes = sorted({1, half, cfg.batch_size} if cfg.draft_is_model else {1, cfg.batch_size})
             c = self.coordinator
             key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
-                   "devices": [c.target_info.device, c.draft_info.device], "k_max": self.K, "batch_sizes": sizes,
+                   "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": self.K, "batch_sizes": sizes,
                    "context": 64, "reps": 2}
             costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(self.K, sizes, context=64, reps=2))
             serial = AdaptiveConfig(costs)

@@ -128,7 +128,7 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     # One logical CPU more than the model actors' placement groups can take, as a margin for Ray
     # Data's own tasks. (The streaming repartition, whose tasks once asked for a CPU each and hung
     # a resumed run behind the groups, now asks for none: raysd.jobs.pipeline._repartition_needs_no_cpu.)
-    need = int(math.ceil(2 * cfg.replicas * cfg.num_cpus_per_actor))
+    need = int(math.ceil(cfg.replicas * sum(cfg.actor_cpus)))
     try:
         start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
     except LocalRayNotLoopback as exc:
@@ -221,6 +221,9 @@ def generate(cfg: GenerateConfig) -> JobSummary:
 
     if not cfg.quiet:
         print("raysd generate: starting Ray", file=sys.stderr, flush=True)  # the models load after it
+    # `--num-cpus-per-actor auto`: the machine's cores when raysd starts the Ray here, else 1 per actor.
+    starts_local = not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
+    cfg = cfg.resolve_actor_cpus(os.cpu_count() if starts_local else None)
     we_started_ray = _init_ray(cfg)
     stats = progress = job_key = None
     result: dict = {}

@@ -182,3 +182,35 @@ def test_k_defaults_to_auto_and_a_tree_to_depth_4():
     assert config_from_args(p.parse_args(flags)).num_speculative_tokens == AUTO
     assert config_from_args(p.parse_args(flags + ["--tree-budget", "8"])).num_speculative_tokens == 4
     assert config_from_args(p.parse_args(flags + ["-k", "3"])).num_speculative_tokens == 3
+
+
+def test_actor_cpus_auto_shares_a_local_machine_and_is_one_elsewhere():
+    import argparse
+
+    from raysd.jobs.cli import add_arguments, config_from_args
+    from raysd.jobs.config import MODEL_FREE_DRAFT_CPUS, GenerateConfig, JobError
+
+    def cfg(**kw):
+        return GenerateConfig(input="in.jsonl", output="out", **kw)
+
+    # A local Ray on 16 cores: a model-free drafter leaves every core to the target...
+    assert cfg(draft="ngram").resolve_actor_cpus(16).actor_cpus == (16.0, MODEL_FREE_DRAFT_CPUS)
+    assert cfg(draft="none", replicas=2).resolve_actor_cpus(16).actor_cpus == (8.0, MODEL_FREE_DRAFT_CPUS)
+    # ...a draft model shares them with it, and a crowded machine still gives each model one.
+    assert cfg(draft="some/draft").resolve_actor_cpus(16).actor_cpus == (8.0, 8.0)
+    assert cfg(draft="some/draft", replicas=3).resolve_actor_cpus(2).actor_cpus == (1.0, 1.0)
+    # A cluster (cores unknown) or GPUs: 1 per model actor; an explicit number is kept.
+    assert cfg(draft="ngram").resolve_actor_cpus(None).actor_cpus == (1.0, MODEL_FREE_DRAFT_CPUS)
+    assert cfg(draft="some/draft", num_gpus_per_actor=1).resolve_actor_cpus(16).actor_cpus == (1.0, 1.0)
+    assert cfg(draft="some/draft", num_cpus_per_actor=3).resolve_actor_cpus(16).actor_cpus == (3.0, 3.0)
+    with pytest.raises(JobError, match="cannot both be 0"):
+        cfg(num_cpus_per_actor=0)
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    flags = ["--input", "in.jsonl", "--output", "out"]
+    assert config_from_args(p.parse_args(flags)).num_cpus_per_actor is None
+    assert config_from_args(p.parse_args(flags + ["--num-cpus-per-actor", "auto"])).num_cpus_per_actor is None
+    assert config_from_args(p.parse_args(flags + ["--num-cpus-per-actor", "2"])).num_cpus_per_actor == 2.0
+    with pytest.raises(SystemExit):
+        p.parse_args(flags + ["--num-cpus-per-actor", "many"])
