@@ -58,10 +58,13 @@ class SamplingTensors:
     any_greedy: bool | None = None
     any_top_k: bool | None = None  # some row keeps fewer than all tokens by top-k (for V > top_k)
     any_top_p: bool | None = None
+    all_greedy: bool | None = None  # every row greedy: one-hot distributions, built without a softmax
 
     def __post_init__(self) -> None:
         if self.any_greedy is None:
             object.__setattr__(self, "any_greedy", bool((self.temperature == 0).any()))
+        if self.all_greedy is None:
+            object.__setattr__(self, "all_greedy", bool((self.temperature == 0).all()))
         if self.any_top_k is None:
             object.__setattr__(self, "any_top_k", bool((self.top_k > 0).any()))
         if self.any_top_p is None:
@@ -76,11 +79,12 @@ class SamplingTensors:
             any_greedy=any(p.greedy for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
+            all_greedy=all(p.greedy for p in params),
         )
 
     def to(self, device: torch.device | str) -> "SamplingTensors":
         return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                               self.any_greedy, self.any_top_k, self.any_top_p)
+                               self.any_greedy, self.any_top_k, self.any_top_p, self.all_greedy)
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -99,6 +103,10 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
         logits = logits[:, None]
     B, T, V = logits.shape
     assert sampling.temperature.shape == (B,), (sampling.temperature.shape, B)
+    if sampling.all_greedy:  # the one-hots below, without a softmax over the vocabulary nobody reads
+        probs = torch.zeros((B, T, V), dtype=torch.float32, device=logits.device)  # [B, T, V]
+        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs[:, 0] if squeeze else probs
     logits = logits.float()
 
     greedy = sampling.temperature == 0  # [B]
@@ -135,7 +143,7 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool = False) -> torch.Tensor:
     """Draw one token per row by inverting the CDF with a given uniform.
 
     The probabilities need not be normalised. A token of zero probability is never
@@ -145,10 +153,14 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Args:
         probs: [N, V] non-negative weights with a positive sum per row.
         uniforms: [N] in [0, 1).
+        one_hot: the caller knows every row is one-hot (`logits_to_probs` of an all-greedy
+            batch): the draw is the hot index whatever the uniform, taken without the CDF.
     Returns:
         [N] int64 token ids.
     """
     assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
+    if one_hot:
+        return probs.argmax(dim=-1)
     cdf = probs.double().cumsum(dim=-1)  # [N, V]; float64 so a 128k vocabulary loses nothing
     draw = uniforms.double()[:, None] * cdf[:, -1:]  # [N, 1]
     tokens = torch.searchsorted(cdf, draw, right=True)[:, 0]

@@ -128,7 +128,7 @@ class DraftModelDrafter(Drafter):
         tokens, probs = [], []
         for i in range(K):
             p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i])  # [B]
+            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             tokens.append(t)
             probs.append(p)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
@@ -195,7 +195,7 @@ class DraftModelDrafter(Drafter):
                 first[u] = i
         wide = self._draft_logits(logits.flatten(0, 1)).view(B, n, -1)  # [B, n, V]
         q = logits_to_probs(wide, sampling)  # [B, n, V]
-        sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten()).view(B, n)  # [B, n]
+        sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
         candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
         R = max(rank) + 1
         if R > 1:
@@ -392,7 +392,7 @@ class FeatureDrafter(Drafter):
         drafts, probs = [], []
         for i in range(K):
             p = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i])  # [B]
+            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             drafts.append(t)
             probs.append(p)
             if i + 1 < K:

@@ -95,6 +95,22 @@ def test_temperature_zero_is_exact_one_hot_at_argmax():
     torch.testing.assert_close(probs[1], logits[1, 0].softmax(-1))
 
 
+def test_an_all_greedy_batch_takes_the_one_hot_shortcut_with_identical_results():
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 4, V, generator=g) * 5).half()  # half: the argmax of the raw logits
+    params = [(0.0, 0, 1.0), (0.0, 4, 1.0), (0.0, 0, 0.2), (0.0, 2, 0.5), (0.0, 50, 0.99)]
+    fast = tensors(params)
+    assert fast.all_greedy and not tensors(params + [(1.0, 0, 1.0)]).all_greedy
+    general = SamplingTensors(fast.temperature, fast.top_k, fast.top_p, all_greedy=False)  # the softmax path
+    probs = logits_to_probs(logits, fast)
+    assert torch.equal(probs, logits_to_probs(logits, general)) and probs.dtype == torch.float32
+    assert torch.equal(logits_to_probs(logits[:, 0], fast), logits_to_probs(logits[:, 0], general))
+    # one_hot=True reads the hot index; the CDF inversion lands there for any uniform.
+    flat = probs.flatten(0, 1)
+    u = torch.rand(len(flat), generator=g)
+    assert torch.equal(sample_from_probs(flat, u, one_hot=True), sample_from_probs(flat, u))
+
+
 def test_disabled_warpers_are_plain_softmax():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(4))
     params = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, V, 1.0), (1.0, V + 7, 1.0)]
