@@ -25,7 +25,9 @@ from tests.reliability.conftest import read_rows
 
 pytestmark = pytest.mark.slow
 
-N_ROWS, MAX_NEW = 32, 12
+# 64 rows: 16 blocks of 4, so the first part lands well before the job ends (with 32 a fast run
+# could finish before the kill saw one, and the kill would find no job to hit).
+N_ROWS, MAX_NEW = 64, 12
 
 
 @pytest.fixture(scope="module")
