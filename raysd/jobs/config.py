@@ -22,8 +22,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
 # there: checking a config must not import torch.
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DRAFT_ASSISTS = ("none", "ngram")
-MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
+DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
+MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
 
 
 class JobError(Exception):
