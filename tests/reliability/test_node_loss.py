@@ -31,7 +31,7 @@ from tests.reliability.conftest import read_rows
 
 pytestmark = pytest.mark.slow
 
-N_ROWS, MAX_NEW = 48, 12
+N_ROWS, MAX_NEW = 128, 12  # enough that adding the spare node and the checks before the loss take less than the job
 MID_JOB = 8  # rows generated before the node is lost: both replicas are at work, most rows are not done
 ID_STAGE = "MapWorker(MapBatches(AssignIds))"
 REPLICA_HOST = "raysd_test_replica_host"  # a custom node resource: where the replica actors may go
