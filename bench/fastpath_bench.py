@@ -113,6 +113,8 @@ def run_engine(target, drafter, k, batch, prompts, max_new, clock: ForwardClock,
         "t_target_step": clock.total("step", "target") / max(clock.count("step", "target"), 1),
         "t_draft_step": clock.total("step", "draft") / max(clock.count("step", "draft"), 1),
         "tokens_per_pass": 1 + sum(s.num_accepted_draft_tokens for s in st) / steps if steps else None,
+        # mean rows per step / B: below 1 where rows finish at different steps and the queue is empty
+        "occupancy": engine.timings.row_steps / (engine.timings.steps * batch),
         "acceptance": (sum(s.num_accepted_draft_tokens for s in st) / max(sum(s.num_draft_tokens for s in st), 1)),
     }
 
@@ -184,6 +186,7 @@ def main():
             "batch": b, "tok_s": tps, "ar_vs_hf": tps["engine AR"] / tps["HF generate"],
             "ar_overhead": median([x["overhead"] for x in ar]), "spec_overhead": median([x["overhead"] for x in sp]),
             "tokens_per_pass": e, "acceptance": median([x["acceptance"] for x in sp]),
+            "occupancy_ar": median([x["occupancy"] for x in ar]), "occupancy_spec": median([x["occupancy"] for x in sp]),
             "t_target_1_ms": t1 * 1e3, "t_target_k1_ms": tk1 * 1e3, "t_draft_ms": td * 1e3,
             "spec_speedup": measured, "spec_speedup_steps": measured_steps, "predicted_speedup": predicted,
             "of_prediction": measured / predicted, "of_prediction_steps": measured_steps / predicted,
@@ -192,13 +195,13 @@ def main():
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({**info, "rows": rows, "mismatches": mismatches, "loadavg_end": loadavg()}, indent=1))
     print(f"\n{'B':>3} {'AR tok/s':>9} {'HF tok/s':>9} {'AR/HF':>6} {'AR ovh':>7} {'spec ovh':>8} {'E':>5} "
-          f"{'T1 ms':>6} {'TK1 ms':>7} {'Td ms':>6} {'speedup':>8} {'steps':>6} {'pred':>6} {'of pred':>7} {'steps':>6}")
+          f"{'T1 ms':>6} {'TK1 ms':>7} {'Td ms':>6} {'speedup':>8} {'steps':>6} {'pred':>6} {'of pred':>7} {'steps':>6} {'occ AR':>6} {'occ sp':>6}")
     for r in rows:
         t = r["tok_s"]
         print(f"{r['batch']:>3} {t['engine AR']:9.1f} {t['HF generate']:9.1f} {r['ar_vs_hf']:6.2f} {r['ar_overhead']:7.1%} "
               f"{r['spec_overhead']:8.1%} {r['tokens_per_pass']:5.2f} {r['t_target_1_ms']:6.1f} {r['t_target_k1_ms']:7.1f} "
               f"{r['t_draft_ms']:6.2f} {r['spec_speedup']:8.2f} {r['spec_speedup_steps']:6.2f} {r['predicted_speedup']:6.2f} "
-              f"{r['of_prediction']:7.1%} {r['of_prediction_steps']:6.1%}")
+              f"{r['of_prediction']:7.1%} {r['of_prediction_steps']:6.1%} {r['occupancy_ar']:6.2f} {r['occupancy_spec']:6.2f}")
     print(f"wrote {a.out}")
     assert not mismatches, f"greedy tokens differ from HF generate at batch sizes {mismatches}"
 

@@ -102,6 +102,32 @@ def rejection_sample(
     return RejectionOutput(output, num_accepted, num_tested)
 
 
+def greedy_rejection_sample(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64, each in 0..K
+    target_token_ids: torch.Tensor,  # [B, K + 1] int64: the target's argmax after each prefix
+) -> RejectionOutput:
+    """`rejection_sample` for a batch whose rows are all greedy, from the target's argmax alone.
+
+    With one-hot target_probs the test accepts a draft iff it is the argmax (target_probs(x) is 1
+    there and 0 elsewhere, whatever draft_probs(x) and the uniform), and the residual
+    max(0, onehot - draft_probs) has mass only at the argmax, so the recovered and bonus tokens
+    are the argmax too: no uniform is read and draft_probs does not matter. Same output as
+    rejection_sample (tests/core/test_rejection.py), without the [B, K + 1, V] one-hots; vLLM's
+    rejection sampler keeps the same all-greedy path (`rejection_greedy_sample_kernel`)."""
+    B, K = draft_token_ids.shape
+    assert num_draft_tokens.shape == (B,) and target_token_ids.shape == (B, K + 1), target_token_ids.shape
+    device = target_token_ids.device
+    rows, positions = torch.arange(B, device=device), torch.arange(K, device=device)
+    drafted = positions[None, :] < num_draft_tokens[:, None]  # [B, K]
+    accepted = drafted & (draft_token_ids == target_token_ids[:, :K])  # [B, K]
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B]
+    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
+    output[rows, num_accepted] = target_token_ids[rows, num_accepted]
+    return RejectionOutput(output, num_accepted, torch.minimum(num_accepted + 1, num_draft_tokens))
+
+
 def draft_target_overlap(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """sum_x min(target_probs(x), draft_probs(x)) = 1 - TV: the acceptance probability at
     each draft position (Leviathan et al. 2023, Definition 3.1 and Corollary 3.6).

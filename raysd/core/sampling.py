@@ -87,6 +87,25 @@ class SamplingTensors:
                                self.any_greedy, self.any_top_k, self.any_top_p, self.all_greedy)
 
 
+ARGMAX_BLOCK = 128
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)`, the same indices (the first maximum; NaN counts as the maximum).
+
+    On the CPU PyTorch's argmax over the last dimension is a scalar loop: 1.3 ms for
+    [8, 4, 49152] on two Xeon cores, where `amax` takes a tenth of that. So there it runs in two
+    passes: the maximum of each block of 128 (vectorised), torch's argmax over those block maxima
+    (the first block holding the maximum), then inside that block (its first maximum)."""
+    V = x.shape[-1]
+    if x.device.type != "cpu" or V % ARGMAX_BLOCK or V < 4 * ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    blocks = x.reshape(*x.shape[:-1], V // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [..., V / 128, 128]
+    best = blocks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # [..., 1]
+    inner = blocks.gather(-2, best[..., None].expand(*best.shape, ARGMAX_BLOCK))[..., 0, :].argmax(dim=-1)  # [...]
+    return best[..., 0] * ARGMAX_BLOCK + inner
+
+
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Turn logits into the distribution each row samples from.
 
@@ -105,7 +124,7 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
     assert sampling.temperature.shape == (B,), (sampling.temperature.shape, B)
     if sampling.all_greedy:  # the one-hots below, without a softmax over the vocabulary nobody reads
         probs = torch.zeros((B, T, V), dtype=torch.float32, device=logits.device)  # [B, T, V]
-        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs.scatter_(-1, argmax_last(logits)[..., None], 1.0)
         return probs[:, 0] if squeeze else probs
     logits = logits.float()
 
@@ -117,7 +136,7 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
     probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
 
     if sampling.any_greedy:
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax_last(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs[:, 0] if squeeze else probs
 
@@ -160,7 +179,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, one_hot: bool
     """
     assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
     if one_hot:
-        return probs.argmax(dim=-1)
+        return argmax_last(probs)
     cdf = probs.double().cumsum(dim=-1)  # [N, V]; float64 so a 128k vocabulary loses nothing
     draw = uniforms.double()[:, None] * cdf[:, -1:]  # [N, 1]
     tokens = torch.searchsorted(cdf, draw, right=True)[:, 0]

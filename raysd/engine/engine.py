@@ -123,8 +123,9 @@ class EngineTimings:
     draft_s: float = 0.0
     target_s: float = 0.0
     wall_s: float = 0.0
-    prefill_s: float = 0.0  # admitting rows: both sides' prompt forwards (included in wall_s)
+    prefill_s: float = 0.0  # both sides' prompt forwards, a cold drafter's deferred ones too (included in wall_s)
     steps: int = 0
+    row_steps: int = 0  # sum over steps of the rows decoded: occupancy = row_steps / (steps x max_batch_size)
     generated_tokens: int = 0
 
 
@@ -207,15 +208,18 @@ class SpecEngine:
         batch = self.target_side.batch
         if self.k_controller is not None:
             k = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, batch.room())
-        t0 = time.perf_counter()
+        t0, deferred = time.perf_counter(), self.draft_side.deferred_prefill_s
         proposal = self.draft_side.propose(k)
         t1 = time.perf_counter()
+        deferred = self.draft_side.deferred_prefill_s - deferred  # a cold drafter's prompts: prefill, not drafting
         outcome = self.target_side.verify(proposal, k)
         t2 = time.perf_counter()
         self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep, outcome.features, outcome.path)
         if self.k_controller is not None:
             self.k_controller.observe_all(outcome.step_overlap, outcome.step_tested)
-        self.timings.draft_s += t1 - t0
+        self.timings.prefill_s += deferred
+        self.timings.draft_s += t1 - t0 - deferred
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
+        self.timings.row_steps += len(outcome.kept)
         return outcome

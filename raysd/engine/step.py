@@ -14,6 +14,7 @@ gives the same tokens in the engine and through the actors, whatever the batch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -101,6 +102,7 @@ class DraftSide:
         # cold: it follows the target's features from a row's first step).
         self.cold: list[list[int]] | None = None if drafter.needs_features else []
         self._sampling: SamplingTensors | None = None
+        self.deferred_prefill_s = 0.0  # seconds the first drafting step spent prefilling the cold rows
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -122,8 +124,10 @@ class DraftSide:
         if self.cold is not None:
             if not offered.any():  # nothing to draft: the drafter stays cold
                 return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
+            t0 = time.perf_counter()
             self.drafter.add_rows(self.cold)
             self.cold = None
+            self.deferred_prefill_s += time.perf_counter() - t0
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
         if self.tree is not None:

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_target_overlap, rejection_sample
-from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from raysd.core.rejection import (PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_target_overlap, greedy_rejection_sample,
+                                  rejection_sample)
+from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
 from raysd.core.tree import TreeOutput, tree_rejection_sample
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.drafters import Proposal
@@ -218,6 +219,11 @@ class TargetVerifier:
             self._step = (F, [W - p - d for p, d in zip(pending, host)], pending)
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
+        if sampling.all_greedy and synthetic_acceptance_rate is None and relax is None:
+            target_ids = argmax_last(logits)  # [B, K + 1]: each greedy row's one-hot target
+            rejection = greedy_rejection_sample(ids, num, target_ids)
+            overlap = proposal.draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]  # [B, K] 1 - TV to a one-hot
+            return VerifyOutput(rejection, overlap, num)
         target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
         if synthetic_acceptance_rate is None:
             lam = None if relax is None else torch.full_like(final_uniforms, relax)  # [B]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raysd.core.rejection import PLACEHOLDER_TOKEN_ID as PH
-from raysd.core.rejection import RejectionOutput, draft_target_overlap, rejection_sample
+from raysd.core.rejection import RejectionOutput, draft_target_overlap, greedy_rejection_sample, rejection_sample
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 
 V = 10
@@ -306,3 +306,29 @@ def test_all_zero_residual_still_emits_a_target_token():
     assert out.num_accepted.tolist() == [0]
     token = out.output_token_ids[0, 0]
     assert p[0, token] > 0, f"emitted token {int(token)} has target probability 0"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_path_equals_rejection_sample_with_one_hot_targets(seed):
+    """For all-greedy rows the verifier takes greedy_rejection_sample on the target's argmax: the
+    same tokens, counts and overlaps as rejection_sample on one-hot target_probs, for drafts drawn
+    from a spread draft distribution, one-hot (n-gram) drafts and drafts equal to the argmax."""
+    g = torch.Generator().manual_seed(seed)
+    B, K, V = 16, 4, 11
+    target_ids = torch.randint(0, V, (B, K + 1), generator=g)  # (B, K + 1)
+    target_probs = torch.zeros(B, K + 1, V).scatter_(-1, target_ids[..., None], 1.0)  # (B, K + 1, V) one-hot
+    draft_probs = torch.softmax(torch.randn(B, K, V, generator=g) * 2, dim=-1)  # (B, K, V)
+    drafts = torch.multinomial(draft_probs.view(-1, V), 1, generator=g).view(B, K)
+    copy = torch.rand(B, K, generator=g) < 0.6  # many drafts are the argmax, so prefixes get accepted
+    drafts = torch.where(copy, target_ids[:, :K], drafts)
+    one_hot_rows = torch.arange(B) % 3 == 0  # an n-gram drafter's one-hot draft_probs
+    draft_probs[one_hot_rows] = torch.zeros(V).expand(int(one_hot_rows.sum()), K, V).scatter(-1, drafts[one_hot_rows, :, None], 1.0)
+    num = torch.randint(0, K + 1, (B,), generator=g)
+    u, final = torch.rand(B, K, generator=g), torch.rand(B, generator=g)
+    want = rejection_sample(drafts, num, draft_probs, target_probs, u, final)
+    got = greedy_rejection_sample(drafts, num, target_ids)
+    for field in ("output_token_ids", "num_accepted", "num_tested"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert want.num_accepted.sum() > 0 and (want.num_accepted < num).any()  # both branches taken
+    overlap = draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]
+    torch.testing.assert_close(overlap, draft_target_overlap(draft_probs, target_probs))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs, sample_from_probs
+from raysd.core.sampling import SamplingParams, SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
 
 V = 32
 
@@ -184,3 +184,19 @@ def test_sample_from_probs_matches_distribution_chi_square():
     support = p.numpy() > 0
     _, pvalue = stats.chisquare(counts[support], N * p.numpy()[support] / p.numpy()[support].sum())
     assert pvalue > 1e-4, (counts, pvalue)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_last_equals_torch_argmax_with_ties_nans_and_infinities(dtype):
+    g = torch.Generator().manual_seed(0)
+    V = 49152  # SmolLM2's vocabulary: the blocked path
+    x = torch.randn(5, 3, V, generator=g).to(dtype)  # (B, T, V)
+    x[0, 0, [7, 300, 40000]] = 9.0  # a tie across blocks: the first wins
+    x[0, 1, [129, 130]] = 9.0  # a tie inside one block
+    x[1, 0, [5000, 20]] = float("nan")  # NaN counts as the maximum, the first NaN
+    x[1, 1] = float("-inf")  # all equal: index 0
+    x[2, 2, -1] = float("inf")
+    assert torch.equal(argmax_last(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_last(x[:, 0]), x[:, 0].argmax(dim=-1))  # (B, V)
+    odd = torch.randn(4, 1000, generator=g)  # not a multiple of the block: torch's own argmax
+    assert torch.equal(argmax_last(odd), odd.argmax(dim=-1))

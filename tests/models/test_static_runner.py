@@ -22,7 +22,7 @@ from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
 from raysd.models.runner import ModelRunner
 from raysd.models.runners import make_runner
-from raysd.models.static_runner import StaticModelRunner
+from raysd.models.static_runner import PREFILL_CALL_TOKENS, StaticModelRunner, prefill_groups
 from tests.conftest import EOS, VOCAB, tiny_model
 from tests.models.test_runner import assert_rows_match, random_tokens, right_aligned
 
@@ -106,6 +106,34 @@ def test_add_prefilled_runs_only_the_new_slots_and_buffers_grow(model):
     logits = runner2.forward(*right_aligned(new), torch.full((5,), 2), max_logits=2)
     hist = [h + n for h, n in zip(hist, new)]
     assert_rows_match(model, logits, hist, [2] * 5)
+
+
+def test_prefill_groups_minimise_padding_plus_a_cost_per_forward():
+    assert prefill_groups([]) == []
+    assert prefill_groups([10] * 8) == [(0, 8)]  # equal lengths: one forward
+    assert prefill_groups([53, 64, 769, 40, 85, 660, 78, 93], call_tokens=64) == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
+    assert prefill_groups([5, 200], call_tokens=1000) == [(0, 2)]  # forwards dear: pad rather than split
+    rng = random.Random(3)
+    for _ in range(50):  # every partition is a cover of consecutive runs, no cheaper than one forward
+        lengths = [rng.randint(0, 300) for _ in range(rng.randint(1, 9))]
+        runs = prefill_groups(lengths)
+        assert [r[0] for r in runs] == [0] + [r[1] for r in runs[:-1]] and runs[-1][1] == len(lengths)
+        cost = sum(PREFILL_CALL_TOKENS + (hi - lo) * max(lengths[lo:hi]) for lo, hi in runs)
+        assert cost <= PREFILL_CALL_TOKENS + len(lengths) * max(lengths)
+
+
+def test_add_prefilled_in_several_forwards_keeps_every_row_exact(model):
+    """Prompts of very different lengths go in separate forwards; each row's cache is still its own prompt's."""
+    rng = random.Random(5)
+    runner = StaticModelRunner(model, checks=True, width_bucket=8)
+    runner.add_prefilled([random_tokens(rng, 4)])
+    hist = [random_tokens(rng, n) for n in (3, 90, 2, 70, 1, 0)]
+    assert len(prefill_groups([len(h) for h in hist])) > 1
+    runner.add_prefilled(hist)
+    assert runner.lengths.tolist()[1:] == [len(h) for h in hist]
+    new = [random_tokens(rng, 2) for _ in range(runner.num_rows)]
+    logits = runner.forward(*right_aligned(new), torch.full((runner.num_rows,), 2), max_logits=2)
+    assert_rows_match(model, logits[1:], [h + n for h, n in zip(hist, new[1:])], [2] * len(hist))
 
 
 def test_make_runner_picks_static_for_llama_family_and_refuses_quietly_nothing():

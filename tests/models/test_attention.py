@@ -1,0 +1,63 @@
+"""packed_gqa_attention: grouped-query attention folded into the query length gives the same
+outputs as transformers' sdpa (keys/values repeated per group), for the masks the static runner
+passes; and switching a model to it is undone afterwards."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from raysd.models.attention import PACKED_SDPA, packed_gqa, packed_gqa_attention
+from raysd.models.static_runner import StaticModelRunner
+from tests.conftest import tiny_model
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+@pytest.mark.parametrize("groups,T,additive", [(3, 4, False), (2, 7, True), (4, 1, False), (1, 5, False)])
+def test_packed_attention_equals_sdpa_with_repeated_keys_and_values(groups, T, additive):
+    g = torch.Generator().manual_seed(groups * 10 + T)
+    B, Hkv, W, D = 3, 2, 19, 8
+    query = torch.randn(B, Hkv * groups, T, D, generator=g)  # (B, H, T, D)
+    key, value = torch.randn(B, Hkv, W, D, generator=g), torch.randn(B, Hkv, W, D, generator=g)  # (B, Hkv, W, D)
+    allowed = torch.rand(B, 1, T, W, generator=g) < 0.7  # (B, 1, T, W), a ragged mask like a tree's
+    allowed[..., 0] = True  # no empty attention row
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min) if additive else allowed
+    module = _Heads(groups)
+    ours, _ = packed_gqa_attention(module, query, key, value, mask, scaling=D ** -0.5)
+    ref, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=D ** -0.5)
+    assert ours.shape == ref.shape == (B, T, Hkv * groups, D)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_switch_applies_inside_and_restores_the_config_even_on_error():
+    model = tiny_model("llama")  # 4 query heads over 2 key/value heads
+    assert model.config._attn_implementation == "sdpa"
+    with packed_gqa(model):
+        assert model.config._attn_implementation == PACKED_SDPA
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), packed_gqa(model):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_model("llama")
+    eager.set_attn_implementation("eager")
+    with packed_gqa(eager):
+        assert eager.config._attn_implementation == "eager"  # only sdpa is switched
+
+
+def test_static_runner_verify_chunk_logits_unchanged_by_packing():
+    """A K + 1 chunk after a prompt, through StaticModelRunner, against the model's own forward."""
+    model = tiny_model("llama", seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompt, chunk = torch.randint(3, 96, (2, 9), generator=g), torch.randint(3, 96, (2, 5), generator=g)
+    runner = StaticModelRunner(model)
+    runner.add_rows(2)
+    runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(2, dtype=torch.int64), max_logits=1)  # the prompts
+    got = runner.forward(chunk, torch.ones_like(chunk, dtype=torch.bool), torch.full((2,), 5), max_logits=5)  # (B, 5, V)
+    with torch.no_grad():
+        want = model(torch.cat([prompt, chunk], dim=1)).logits[:, -5:].float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert model.config._attn_implementation == "sdpa"
