@@ -227,7 +227,10 @@ class TargetSide:
             return self.verifier.verify_tree(proposal, self.tree, self._sampling, uniforms[:, N : N + n],
                                              uniforms[:, 2 * N]).read_back()
         K = self.limits.num_speculative_tokens
-        uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
+        if self._sampling.all_greedy and self.synthetic_rate is None and self.relax is None:
+            uniforms = torch.zeros(len(batch), 2 * K + 1, dtype=torch.float64, device=self.device)  # no draw is read
+        else:
+            uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
         Kp = proposal.draft_token_ids.shape[1]
         return self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
                                     self.synthetic_rate, self.relax).read_back()
