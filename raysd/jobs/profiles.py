@@ -3,8 +3,8 @@
 Profiling times the target at K + 1 = 1..9 tokens and the draft at a few batch sizes inside the
 actors: seconds of work that a job would repeat at every start, on every replica. The result
 depends only on the models, their dtypes, the devices the actors run on and the shapes timed,
-so it is kept in a small JSON file under `cache_dir()` keyed by exactly those, and read back by
-the next job with the same key. Delete the directory (or set RAYSD_CACHE_DIR) to measure again.
+so it is kept in a small JSON file under `cache_dir()` keyed by exactly those (and by
+STEP_CODE_VERSION, the engine code's), and read back by the next job with the same key. Delete the directory (or set RAYSD_CACHE_DIR) to measure again.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 from raysd.engine.adaptive import StepCosts
+
+# Step times depend on the engine's own code as well: bump this when a change moves them, so that
+# profiles measured before it are measured again. 2: the verify's packed grouped-query attention
+# (raysd.models.attention) made K + 1 tokens much cheaper than the profiles of version 1 say.
+STEP_CODE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -35,7 +40,7 @@ def machine() -> dict:
 def cached_step_costs(key: dict, measure: Callable[[], StepCosts]) -> tuple[StepCosts, bool]:
     """(costs, True) from the cache when `key` (JSON-able) was profiled before here, else
     (measure(), False) after storing it. An unreadable cache entry is measured again."""
-    blob = json.dumps({**key, "machine": machine()}, sort_keys=True)
+    blob = json.dumps({**key, "machine": machine(), "step_code": STEP_CODE_VERSION}, sort_keys=True)
     path = cache_dir() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
     try:
         stored = json.loads(path.read_text())

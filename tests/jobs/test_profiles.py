@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raysd.engine.adaptive import StepCosts
+import raysd.jobs.profiles as profiles
 from raysd.jobs.profiles import cached_step_costs
 
 COSTS = StepCosts((1, 4), ((0.010, 0.012, 0.015), (0.02, 0.025, 0.03)), (0.002, 0.003))
@@ -31,4 +32,13 @@ def test_a_damaged_entry_is_measured_again(tmp_path, monkeypatch):
     (entry,) = (tmp_path / "step_costs").glob("*.json")
     entry.write_text("{not json")
     assert cached_step_costs(key, lambda: COSTS) == (COSTS, False)
+    assert cached_step_costs(key, lambda: COSTS) == (COSTS, True)
+
+
+def test_a_profile_from_older_engine_code_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYSD_CACHE_DIR", str(tmp_path))
+    key = {"target": "t"}
+    assert cached_step_costs(key, lambda: COSTS) == (COSTS, False)
+    monkeypatch.setattr(profiles, "STEP_CODE_VERSION", profiles.STEP_CODE_VERSION + 1)
+    assert cached_step_costs(key, lambda: COSTS) == (COSTS, False)  # the engine changed: measured again
     assert cached_step_costs(key, lambda: COSTS) == (COSTS, True)
