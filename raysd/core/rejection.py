@@ -29,6 +29,19 @@ class RejectionOutput:
     num_accepted: torch.Tensor  # [B] accepted drafts per row; tokens emitted = num_accepted + 1
     num_tested: torch.Tensor  # [B] positions whose rejection test ran: min(num_accepted + 1, num_drafts)
 
+    @classmethod
+    def from_prefix(cls, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                    final_tokens: torch.Tensor) -> "RejectionOutput":
+        """Each row's first num_accepted[b] drafts ([B, K]), then its final (recovered or bonus)
+        token ([B]), then PLACEHOLDER_TOKEN_ID: what every acceptance rule emits."""
+        B, K = draft_token_ids.shape
+        device = draft_token_ids.device
+        positions = torch.arange(K, device=device)
+        output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+        output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
+        output[torch.arange(B, device=device), num_accepted] = final_tokens
+        return cls(output, num_accepted, torch.minimum(num_accepted + 1, num_draft_tokens))
+
     def to_lists(self) -> list[list[int]]:
         """Ragged emitted tokens per row; one device-to-host copy for the batch."""
         rows = self.output_token_ids.tolist()
@@ -94,12 +107,7 @@ def rejection_sample(
     else:
         final_dist = final_target
     final_tokens = sample_from_probs(final_dist, final_uniforms)  # [B]
-
-    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
-    output[rows, num_accepted] = final_tokens
-    num_tested = torch.minimum(num_accepted + 1, num_draft_tokens)
-    return RejectionOutput(output, num_accepted, num_tested)
+    return RejectionOutput.from_prefix(draft_token_ids, num_draft_tokens, num_accepted, final_tokens)
 
 
 def greedy_rejection_sample(
@@ -117,15 +125,12 @@ def greedy_rejection_sample(
     rejection sampler keeps the same all-greedy path (`rejection_greedy_sample_kernel`)."""
     B, K = draft_token_ids.shape
     assert num_draft_tokens.shape == (B,) and target_token_ids.shape == (B, K + 1), target_token_ids.shape
-    device = target_token_ids.device
-    rows, positions = torch.arange(B, device=device), torch.arange(K, device=device)
+    positions = torch.arange(K, device=target_token_ids.device)
     drafted = positions[None, :] < num_draft_tokens[:, None]  # [B, K]
     accepted = drafted & (draft_token_ids == target_token_ids[:, :K])  # [B, K]
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B]
-    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
-    output[rows, num_accepted] = target_token_ids[rows, num_accepted]
-    return RejectionOutput(output, num_accepted, torch.minimum(num_accepted + 1, num_draft_tokens))
+    final_tokens = target_token_ids.gather(1, num_accepted[:, None])[:, 0]  # [B] the argmax right after the prefix
+    return RejectionOutput.from_prefix(draft_token_ids, num_draft_tokens, num_accepted, final_tokens)
 
 
 def draft_target_overlap(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

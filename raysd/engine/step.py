@@ -26,7 +26,7 @@ from raysd.core.tree_shape import TreeShape, tree_shape
 from raysd.engine.batch import Batch
 from raysd.engine.drafters import Drafter, Proposal
 from raysd.engine.rows import GenerationResult, Request, fill_holes, step_uniforms
-from raysd.engine.verifier import TargetVerifier, Verdict
+from raysd.engine.verifier import TargetVerifier, Verdict, verifies_by_argmax
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ class TargetSide:
             return self.verifier.verify_tree(proposal, self.tree, self._sampling, uniforms[:, N : N + n],
                                              uniforms[:, 2 * N]).read_back()
         K = self.limits.num_speculative_tokens
-        if self._sampling.all_greedy and self.synthetic_rate is None and self.relax is None:
+        if verifies_by_argmax(self._sampling, self.synthetic_rate, self.relax):
             uniforms = torch.zeros(len(batch), 2 * K + 1, dtype=torch.float64, device=self.device)  # no draw is read
         else:
             uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from raysd.core.rejection import (PLACEHOLDER_TOKEN_ID, RejectionOutput, draft_target_overlap, greedy_rejection_sample,
-                                  rejection_sample)
+from raysd.core.rejection import RejectionOutput, draft_target_overlap, greedy_rejection_sample, rejection_sample
 from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
 from raysd.core.tree import TreeOutput, tree_rejection_sample
 from raysd.core.tree_shape import TreeShape
@@ -219,7 +218,7 @@ class TargetVerifier:
             self._step = (F, [W - p - d for p, d in zip(pending, host)], pending)
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
-        if sampling.all_greedy and synthetic_acceptance_rate is None and relax is None:
+        if verifies_by_argmax(sampling, synthetic_acceptance_rate, relax):
             target_ids = argmax_last(logits)  # [B, K + 1]: each greedy row's one-hot target
             rejection = greedy_rejection_sample(ids, num, target_ids)
             overlap = proposal.draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]  # [B, K] 1 - TV to a one-hot
@@ -231,6 +230,12 @@ class TargetVerifier:
         else:
             rejection = synthetic_accept(ids, num, target_probs, accept_uniforms, final_uniforms, synthetic_acceptance_rate)
         return VerifyOutput(rejection, draft_target_overlap(proposal.draft_probs, target_probs), num)
+
+
+def verifies_by_argmax(sampling: SamplingTensors, synthetic_acceptance_rate: float | None, relax: float | None) -> bool:
+    """Whether `TargetVerifier.verify` decides from the target's argmax alone (an all-greedy batch
+    under the exact rule): it then reads no uniform, so the caller need not draw any."""
+    return sampling.all_greedy and synthetic_acceptance_rate is None and relax is None
 
 
 def synthetic_accept(
@@ -253,7 +258,4 @@ def synthetic_accept(
     accepted = drafted & (accept_uniforms < rate)  # [B, K]
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
     final_tokens = sample_from_probs(target_probs[rows, num_accepted], final_uniforms)  # [B]
-    output = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
-    output[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, PLACEHOLDER_TOKEN_ID)
-    output[rows, num_accepted] = final_tokens
-    return RejectionOutput(output, num_accepted, torch.minimum(num_accepted + 1, num_draft_tokens))
+    return RejectionOutput.from_prefix(draft_token_ids, num_draft_tokens, num_accepted, final_tokens)

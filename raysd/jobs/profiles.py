@@ -3,8 +3,9 @@
 Profiling times the target at K + 1 = 1..9 tokens and the draft at a few batch sizes inside the
 actors: seconds of work that a job would repeat at every start, on every replica. The result
 depends only on the models, their dtypes, the devices the actors run on and the shapes timed,
-so it is kept in a small JSON file under `cache_dir()` keyed by exactly those (and by
-STEP_CODE_VERSION, the engine code's), and read back by the next job with the same key. Delete the directory (or set RAYSD_CACHE_DIR) to measure again.
+so it is kept in a small JSON file under `cache_dir()` keyed by exactly those and by
+STEP_CODE_VERSION (the engine code's), and read back by the next job with the same key. Delete
+the directory (or set RAYSD_CACHE_DIR) to measure again.
 """
 
 from __future__ import annotations
