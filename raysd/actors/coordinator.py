@@ -16,10 +16,14 @@ StepOutcome comes back here and rides on the micro-batch's next draft call. The
 coordinator only admits rows, collects finished ones, chooses K and recovers from
 actor failures. Draws are keyed by (seed, tokens generated), so the same seeds give
 the same tokens as SpecEngine.
+
+A model-free drafter (n-gram lookup, or none) has no model to overlap, so it runs inside
+the target actor (DrafterSpec.colocated): one actor, one call per step, no draft actor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -38,6 +42,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysd.actors.model_actors import (
+    ActorInfo,
     DraftActor,
     DrafterSpec,
     MicroBatchStateLost,
@@ -207,7 +212,9 @@ class SpecCoordinator:
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         self._k_controller: KController | None = None
         self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
-        bundles = [config.target_resources.bundle(), config.draft_resources.bundle()]
+        # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
+        self.colocated = drafter.colocated
+        bundles = [config.target_resources.bundle()] + ([] if self.colocated else [config.draft_resources.bundle()])
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
@@ -225,9 +232,11 @@ class SpecCoordinator:
         # Every constructor argument here is small and travels inline.
         target_name = f"raysd-target-{uuid.uuid4().hex}"
         self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(
-            target_factory, config.runner, config.acceptance)
-        self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
-        self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()])
+            target_factory, config.runner, config.acceptance, drafter if self.colocated else None)
+        self.draft = None
+        if not self.colocated:
+            self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
+        self.target_info, self.draft_info = self._infos(timeout=None)  # both load their models first
         self.vocab_size = self.target_info.vocab_size
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
@@ -283,10 +292,11 @@ class SpecCoordinator:
 
     def profile_step_costs(self, k_max: int, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> StepCosts:
         """Step costs measured inside the actors, on the devices they run on."""
-        target_s, draft_s = ray.get([
-            self.target.time_steps.remote(list(batch_sizes), k_max, context, reps),
-            self.draft.time_steps.remote(list(batch_sizes), context, reps),
-        ])
+        target_ref = self.target.time_steps.remote(list(batch_sizes), k_max, context, reps)
+        if self.draft is None:  # a colocated drafter is model-free: its drafting counts as free
+            target_s, draft_s = ray.get(target_ref), [0.0] * len(batch_sizes)
+        else:
+            target_s, draft_s = ray.get([target_ref, self.draft.time_steps.remote(list(batch_sizes), context, reps)])
         return StepCosts(tuple(batch_sizes), tuple(tuple(t) for t in target_s), tuple(draft_s))
 
     def generate(self, requests: Sequence[Request]) -> RunOutput:
@@ -372,7 +382,9 @@ class SpecCoordinator:
                 continue
             report.active_rows += sum(len(m.rows) for m in mbs)
             self._finish_step(flight.mb, result, results, report)
-            report.target_busy_s += result.busy_s
+            report.target_busy_s += result.busy_s - result.draft_s
+            report.draft_busy_s += result.draft_s  # a colocated drafter's (else 0; the draft actor's: below)
+            report.draft_steps += result.drafted
             t = report.transfer
             t.steps += 1
             if meta is not None:
@@ -427,10 +439,13 @@ class SpecCoordinator:
         else:
             draft_update = MicroBatchUpdate(limits, new_rows=new)
         target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision
-        mb.backlog.append(draft_update)
+        if not self.colocated:  # else the drafter beside the target has followed the decision already
+            mb.backlog.append(draft_update)
         # Actor tasks with task events on make the GCS keep a few KB of events each (up to
         # RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
-        if self._skips_draft(k):
+        if self.colocated:
+            proposal_ref = meta_ref = None  # the target actor drafts for itself
+        elif self._skips_draft(k):
             proposal_ref = meta_ref = None
             if len(mb.backlog) >= DRAFT_BACKLOG:  # bounded memory: hand it over, off the critical path
                 self.draft.apply.options(enable_task_events=False).remote(mb.mb_id, tuple(mb.backlog))
@@ -474,13 +489,22 @@ class SpecCoordinator:
         in_flight.clear()  # stale steps: later calls start the micro-batches afresh, in order after them
         self._wait_for_actors()
 
+    def _infos(self, timeout: float | None) -> tuple[ActorInfo, ActorInfo]:
+        """Both actors' info. A colocated drafter has no actor: its info is the target's, with
+        no context limit of its own."""
+        if self.draft is None:
+            target = ray.get(self.target.info.remote(), timeout=timeout)
+            return target, dataclasses.replace(target, max_model_len=2**31 - 1, supports_trees=True)
+        target, draft = ray.get([self.target.info.remote(), self.draft.info.remote()], timeout=timeout)
+        return target, draft
+
     def _wait_for_actors(self, timeout_s: float = 120.0) -> None:
-        """Block until both actors answer again (Ray restarts them; calls made to a dying
+        """Block until the actors answer again (Ray restarts them; calls made to a dying
         process would fail and burn a recovery each)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.target_info, self.draft_info = ray.get([self.target.info.remote(), self.draft.info.remote()], timeout=30)
+                self.target_info, self.draft_info = self._infos(timeout=30)
                 return
             except (RayActorError, ray.exceptions.GetTimeoutError):
                 if time.monotonic() > deadline:

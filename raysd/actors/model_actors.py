@@ -62,6 +62,16 @@ class DrafterSpec:
     inner_k: int = 4
     inner_adaptive: bool = True
     inner_batch_sizes: tuple[int, ...] = (1, 16)
+    # A model-free drafter (n-gram lookup, or no drafting) runs inside the target actor, beside
+    # the rows' tokens: a step is then one call to one actor, with no draft actor to keep in
+    # step. In its own actor it would cost a round trip per step and overlap nothing, as it has
+    # no model to run (docs/actors.md). False keeps it in a draft actor of its own.
+    colocate: bool = True
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the coordinator runs this drafter inside the target actor (no draft actor)."""
+        return self.colocate and self.model_factory is None
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
@@ -175,8 +185,10 @@ class DraftMeta:
 @dataclass(frozen=True)
 class VerifyResult:
     outcome: StepOutcome  # what the target decided: the draft side's next update, the finished rows
-    busy_s: float  # time spent inside verify
+    busy_s: float  # time spent inside verify (a colocated drafter's drafting included)
     features_nbytes: int = 0  # tensor bytes of the features sent apart to the draft actor (feature draft)
+    draft_s: float = 0.0  # of busy_s, a colocated drafter's proposing
+    drafted: bool = False  # a colocated drafter proposed this step (K > 0)
 
 
 def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
@@ -258,7 +270,12 @@ class TargetActor:
     """The target model, and per micro-batch its verifier with the rows' state (TargetSide).
     `acceptance`: "exact" or "relaxed:LAMBDA" (raysd.engine.engine.parse_acceptance)."""
 
-    def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact"):
+    def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact",
+                 drafter: DrafterSpec | None = None):
+        """`drafter`: a model-free drafter (DrafterSpec.colocated) to run here, one DraftSide per
+        micro-batch beside its TargetSide, as SpecEngine.step runs the two in one process."""
+        if drafter is not None and not drafter.colocated:
+            raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
         self.runner = runner
@@ -266,6 +283,8 @@ class TargetActor:
         self.store = _MicroBatchStore(lambda limits: TargetSide(
             TargetVerifier(self.model, runner, features=limits.feature_draft), limits, relax=relax, acceptance=acceptance))
         self.vocab_size = TargetVerifier(self.model).vocab_size
+        self.drafts = None if drafter is None else _MicroBatchStore(lambda limits: DraftSide(
+            drafter.build(None, self.vocab_size, self.device), limits, self.device))
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
         """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
@@ -286,9 +305,20 @@ class TargetActor:
         """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
         returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
         features, which go to the draft actor's next call without passing through the coordinator.
-        `wire` None: a step with K = 0, for which the draft actor was not asked (no drafts)."""
+        `wire` None: the colocated drafter proposes here, or (none) a step with K = 0, for which
+        the draft actor was not asked (no drafts)."""
         start = time.perf_counter()
         side = self.store.apply(mb, update)
+        draft_s, drafted = 0.0, False
+        if self.drafts is not None:  # the step as SpecEngine.step: propose, verify, the drafter follows
+            local = self.drafts.apply(mb, update)
+            t0 = time.perf_counter()
+            proposal = local.propose(k)
+            drafted = k > 0
+            draft_s = time.perf_counter() - t0 if drafted else 0.0  # K = 0: an empty proposal, no drafting
+            outcome = side.verify(proposal, k)
+            local.commit(outcome.kept, outcome.accepted, outcome.keep, None, outcome.path)
+            return VerifyResult(outcome, time.perf_counter() - start, 0, draft_s, drafted), None
         if wire is None:
             proposal = Proposal.empty(len(side), self.vocab_size, self.device)
         else:

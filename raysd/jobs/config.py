@@ -131,8 +131,9 @@ class GenerateConfig:
 
     @property
     def actor_cpus(self) -> tuple[float, float]:
-        """(target, draft) actor CPUs of a replica. A model-free drafter (n-gram lookup, none) runs no
-        model and takes a sliver, so the target's CPUs are the replica's; `auto` left unresolved (an
+        """(target, draft) actor CPUs of a replica. A model-free drafter (n-gram lookup, none) runs
+        inside the target actor (DrafterSpec.colocated) and its sliver is never placed, so the
+        target's CPUs are the replica's; `auto` left unresolved (an
         existing cluster, whose nodes this job does not own) is 1 per model actor."""
         cpus = 1.0 if self.num_cpus_per_actor is None else self.num_cpus_per_actor
         return cpus, (cpus if self.draft_is_model else MODEL_FREE_DRAFT_CPUS)

@@ -122,16 +122,27 @@ def test_draft_equal_to_target_accepts_everything():
         assert r.stats.num_draft_tokens > 0 and r.stats.num_accepted_draft_tokens == r.stats.num_draft_tokens
 
 
-def test_ngram_drafter_k1():
+@pytest.mark.parametrize("colocate", [True, False], ids=["in-target-actor", "draft-actor"])
+def test_ngram_drafter_k1(colocate):
+    """N-gram lookup inside the target actor (the default: no draft actor at all) and in a draft
+    actor of its own give the engine's tokens."""
     base = random_prompts(6, seed=6)
     prompts = [p + p for p in base]  # repeats give the lookup something to find
     reqs = requests(prompts, max_new_tokens=10)
-    with _coordinator(DrafterSpec(None), k=1, micro_batch_size=2) as c:
+    with _coordinator(DrafterSpec(None, colocate=colocate), k=1, micro_batch_size=2) as c:
+        assert (c.draft is None) == colocate
         out = c.generate(reqs)
+        costs = c.profile_step_costs(1, [1], context=8, reps=1)
+    assert costs.draft_s == (0.0,) and all(t > 0 for t in costs.target_s[0])
     target = tiny_model("llama", 0)
     assert _tokens(out.results) == [hf_greedy(target, p, 10) for p in prompts]
     assert _tokens(out.results) == _tokens(_engine(NgramDrafter(VOCAB), k=1, batch=2).generate(reqs))
-    assert out.report.transfer.sparse_steps == out.report.transfer.steps
+    assert sum(r.stats.num_accepted_draft_tokens for r in out.results) > 0
+    assert out.report.draft_steps == out.report.steps
+    if colocate:  # no proposal crosses a process boundary
+        assert out.report.transfer.proposal == 0 and out.report.draft_busy_s > 0
+    else:
+        assert out.report.transfer.sparse_steps == out.report.transfer.steps
 
 
 def test_top_m_draft_keeps_the_target_distribution():
