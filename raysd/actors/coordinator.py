@@ -100,6 +100,11 @@ class CoordinatorConfig:
     runner: str = "auto"  # the target's KV cache (raysd.models.runners); the draft's is DrafterSpec.runner
     acceptance: str = "exact"  # or "relaxed:LAMBDA" (lossy; raysd.engine.engine.EngineConfig.acceptance)
     tree_budget: int = 0  # P > 0: draft trees of at most P nodes (raysd.engine.engine.EngineConfig.tree_budget)
+    # With a model-free drafter (run inside the target actor), one call to the target actor runs up
+    # to this many steps, returning after the first that retires a row (TargetActor.verify): a
+    # row's slot is refilled as soon as it frees, and the steps between cost no round trip. A
+    # request arriving while the rows run waits at most this many steps for a free slot.
+    max_steps_per_call: int = 8
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
@@ -107,6 +112,8 @@ class CoordinatorConfig:
                           parse_acceptance(self.acceptance) is not None)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
+        if self.max_steps_per_call < 1:
+            raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
             raise ValueError("micro_batch_size and num_micro_batches must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -380,7 +387,7 @@ class SpecCoordinator:
                 # gone. Re-run their rows from the start; finished results stay.
                 self._recover(mbs, waiting, in_flight, report)
                 continue
-            report.active_rows += sum(len(m.rows) for m in mbs)
+            report.active_rows += result.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
             self._finish_step(flight.mb, result, results, report)
             report.target_busy_s += result.busy_s - result.draft_s
             report.draft_busy_s += result.draft_s  # a colocated drafter's (else 0; the draft actor's: below)
@@ -456,7 +463,11 @@ class SpecCoordinator:
             proposal_ref, meta_ref = propose.remote(mb.mb_id, tuple(mb.backlog), k, features)
             mb.backlog = []
         verify = self.target.verify.options(num_returns=2, enable_task_events=False)
-        verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k)
+        if self.colocated:  # several steps per call, each choosing its K in the actor
+            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, None, k, self.config.max_steps_per_call,
+                                                    self.k_controller)
+        else:
+            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         measure = self.config.measure_bytes
         draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure and meta_ref is not None else 0
@@ -475,8 +486,8 @@ class SpecCoordinator:
             mb.rows = [mb.rows[k] for k in out.keep]
         mb.last = out
         mb.overlap_sum, mb.tested, mb.room = list(out.overlap_sum), list(out.tested), list(out.room)
-        report.steps += 1
-        self.steps_completed += 1
+        report.steps += result.steps
+        self.steps_completed += result.steps
 
     def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: dict, report: RunReport) -> None:
         report.recoveries += 1

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import parse_acceptance
-from raysd.engine.adaptive import AdaptiveConfig, StepCosts
+from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
 from raysd.engine.hierarchy import AssistedDraftModelDrafter, check_inner, profile_inner_costs
 from raysd.engine.rows import Request
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
@@ -188,7 +188,8 @@ class VerifyResult:
     busy_s: float  # time spent inside verify (a colocated drafter's drafting included)
     features_nbytes: int = 0  # tensor bytes of the features sent apart to the draft actor (feature draft)
     draft_s: float = 0.0  # of busy_s, a colocated drafter's proposing
-    drafted: bool = False  # a colocated drafter proposed this step (K > 0)
+    drafted: int = 0  # steps a colocated drafter proposed for (K > 0)
+    steps: int = 1  # steps this call ran (several with a colocated drafter: TargetActor.verify)
 
 
 def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
@@ -293,6 +294,28 @@ class TargetActor:
             out.append(time_forward_upto(self.model, B, k_max, context, reps))
         return out
 
+    def _steps(self, local: DraftSide, side: TargetSide, k: int, max_steps: int, controller: KController | None,
+               start: float) -> VerifyResult:
+        """SpecEngine.step's three calls (propose, verify, the drafter follows), up to max_steps times."""
+        draft_s, drafted, steps, overlap, tested = 0.0, 0, 0, 0.0, 0
+        while True:
+            if controller is not None:
+                batch = side.batch
+                k = controller.choose_k_from(batch.overlap_sum, batch.tested, batch.room())
+            t0 = time.perf_counter()
+            proposal = local.propose(k)
+            if k > 0:  # K = 0: an empty proposal, no drafting
+                draft_s, drafted = draft_s + time.perf_counter() - t0, drafted + 1
+            outcome = side.verify(proposal, k)
+            local.commit(outcome.kept, outcome.accepted, outcome.keep, None, outcome.path)
+            if controller is not None:
+                controller.observe_all(outcome.step_overlap, outcome.step_tested)
+            steps, overlap, tested = steps + 1, overlap + outcome.step_overlap, tested + outcome.step_tested
+            if outcome.finished or steps == max_steps:
+                break
+        outcome = dataclasses.replace(outcome, step_overlap=overlap, step_tested=tested)
+        return VerifyResult(outcome, time.perf_counter() - start, 0, draft_s, drafted, steps)
+
     def info(self) -> ActorInfo:
         trees = self.runner != "dynamic" and supports_static(self.model)
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees)
@@ -300,25 +323,24 @@ class TargetActor:
     def get_vocab_size(self) -> int:
         return self.vocab_size
 
-    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal | None,
-               k: int) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
+    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal | None, k: int, max_steps: int = 1,
+               controller: KController | None = None) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
         """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
         returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
         features, which go to the draft actor's next call without passing through the coordinator.
         `wire` None: the colocated drafter proposes here, or (none) a step with K = 0, for which
-        the draft actor was not asked (no drafts)."""
+        the draft actor was not asked (no drafts).
+
+        With a colocated drafter, one call runs up to `max_steps` steps and returns after the
+        first that retires a row: until a row finishes no slot frees, so the coordinator has
+        nothing to admit and one call saves the others' round trips. `controller` (adaptive K)
+        then chooses each step's K here, from the rows' evidence as SpecEngine.step does, and
+        learns from each step as the coordinator's own would; the outcome sums the evidence."""
         start = time.perf_counter()
         side = self.store.apply(mb, update)
-        draft_s, drafted = 0.0, False
-        if self.drafts is not None:  # the step as SpecEngine.step: propose, verify, the drafter follows
-            local = self.drafts.apply(mb, update)
-            t0 = time.perf_counter()
-            proposal = local.propose(k)
-            drafted = k > 0
-            draft_s = time.perf_counter() - t0 if drafted else 0.0  # K = 0: an empty proposal, no drafting
-            outcome = side.verify(proposal, k)
-            local.commit(outcome.kept, outcome.accepted, outcome.keep, None, outcome.path)
-            return VerifyResult(outcome, time.perf_counter() - start, 0, draft_s, drafted), None
+        if self.drafts is not None:
+            return self._steps(self.drafts.apply(mb, update), side, k, max_steps, controller, start), None
+        assert max_steps == 1 and controller is None, "several steps per call need the drafter in this actor"
         if wire is None:
             proposal = Proposal.empty(len(side), self.vocab_size, self.device)
         else:

@@ -255,8 +255,14 @@ class NgramDrafter(Drafter):
             draft = self.lookup(row, k)
             ids[b, : len(draft)] = torch.tensor(draft, dtype=torch.int64)
             counts.append(len(draft))
-        ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
-        probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
+        # As wide as the longest lookup found, not K: the verifier feeds max(counts) + 1 tokens
+        # anyway, and the one-hot draft_probs ([B, K, V], 25 MB at B = 32) need not be built
+        # for positions no row drafted. No match in any row: plain decoding's step.
+        K = max(counts)
+        if K == 0:
+            return Proposal.empty(B, self.vocab_size, self.device)
+        ids, num = ids[:, :K].to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)  # [B, K], [B]
+        probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
         return Proposal(ids, num, probs, tuple(counts))
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:

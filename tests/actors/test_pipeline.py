@@ -217,6 +217,39 @@ def test_auto_speculation_length_through_the_actors(random_draft):
         assert r.stats.num_draft_tokens <= r.stats.speculation_length_sum
 
 
+def test_colocated_steps_per_call_change_nothing_but_the_calls():
+    """With the n-gram drafter in the target actor, one call runs several steps (until a row
+    finishes), each choosing its K in the actor: tokens, statistics, steps and the controller's
+    pooled evidence equal one step per call and the single-process engine's, greedy and seeded."""
+    from raysd.engine.adaptive import AdaptiveConfig, StepCosts
+
+    # Costs under which drafting pays at the prior's acceptance but not at a low one: K varies by step.
+    adaptive = AdaptiveConfig(StepCosts((1, 3), ((1.0, 1.2, 1.4, 1.6, 1.8),) * 2, (0.0, 0.0)), prior_alpha=0.6)
+    prompts = [p + p[:5] for p in random_prompts(7, seed=11)]  # repeats give the lookup something to find
+    reqs = requests(prompts[:4], max_new_tokens=12)
+    reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=11 + i))
+             for i, p in enumerate(prompts[4:])]
+    runs = {}
+    for steps in (1, 8):
+        cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, num_micro_batches=1, eos_token_ids=(EOS,),
+                                target_resources=CPU, adaptive=adaptive, max_steps_per_call=steps)
+        with SpecCoordinator(factory("llama", 0), DrafterSpec(None), cfg) as c:
+            out = c.generate(reqs)
+            runs[steps] = (out, c.k_controller.overlap_sum, c.k_controller.num_tested_positions)
+    engine = SpecEngine(tiny_model("llama", 0), NgramDrafter(VOCAB), EngineConfig(K, 3, (EOS,), adaptive=adaptive))
+    expected = engine.generate(reqs)
+    (one, *pool_one), (many, *pool_many) = runs[1], runs[8]
+    for out in (one, many):
+        assert _tokens(out.results) == _tokens(expected)
+        assert [r.stats for r in out.results] == [r.stats for r in expected]
+        assert out.report.steps == engine.timings.steps
+        assert 0 < out.report.draft_steps < out.report.steps  # K was 0 on some steps, not on all
+    for pool in (pool_one, pool_many):  # the pooled evidence (summed per call, not per step: float order)
+        assert pool == [pytest.approx(engine.k_controller.overlap_sum), engine.k_controller.num_tested_positions]
+    assert one.report.transfer.steps == one.report.steps  # calls
+    assert many.report.transfer.steps < one.report.steps / 2
+
+
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
     gpu = ActorResources(num_cpus=1, num_gpus=1)  # this machine has no GPU
     cfg = CoordinatorConfig(draft_resources=gpu, target_resources=gpu, placement_timeout_s=2)

@@ -129,6 +129,25 @@ def test_rows_finish_independently_and_free_their_slots(runner):
     assert 0 < t.prefill_s < t.wall_s and t.generated_tokens == sum(len(r.token_ids) for r in results)
 
 
+def test_ngram_proposal_is_as_wide_as_the_longest_lookup():
+    """The lookup's proposal has max(found) positions, not K: no row matched, no position at all
+    (the step is plain decoding's); the one-hot draft_probs cover exactly the drafted tokens."""
+    from raysd.core.sampling import SamplingTensors
+
+    d = NgramDrafter(VOCAB)
+    d.add_rows([[1, 2, 3, 4, 1, 2], [5, 6, 7, 8], [9, 9, 9]])  # row 0 finds "3 4 1 2"; row 1 nothing; row 2 "9"
+    sampling = SamplingTensors.from_params([SamplingParams()] * 3, "cpu")
+    p = d.propose([4, 4, 1], sampling, torch.zeros(3, 4))
+    assert p.num_draft_host == (4, 0, 1) and p.draft_token_ids.shape == (3, 4)
+    assert p.draft_token_ids[0].tolist() == [3, 4, 1, 2] and p.draft_token_ids[2, 0] == 9
+    assert p.draft_probs.shape == (3, 4, VOCAB) and p.draft_probs[0, 1, 4] == 1 and p.draft_probs.sum() == 3 * 4
+    p = d.propose([2, 0, 0], sampling, torch.zeros(3, 4))
+    assert p.num_draft_host == (2, 0, 0) and p.draft_token_ids.shape == (3, 2)
+    d.select([1])  # only the row without a match left
+    p = d.propose([4], SamplingTensors.from_params([SamplingParams()], "cpu"), torch.zeros(1, 4))
+    assert p.num_draft_host == (0,) and p.draft_token_ids.shape == (1, 0) and p.draft_probs.shape == (1, 0, VOCAB)
+
+
 def test_stop_token_ids_end_a_row():
     target = tiny_model("llama")
     p = prompts()[1]
