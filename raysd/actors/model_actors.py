@@ -234,8 +234,11 @@ class DraftActor:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
         if self.model is None:
             return [0.0 for _ in batch_sizes]
-        model = EagleCausalLM(self.model, zero_features=True) if isinstance(self.model, EagleDraft) else self.model
-        return [time_forward(model, B, [0], context, reps)[0] for B in batch_sizes]
+        if isinstance(self.model, EagleDraft):  # a feature draft runs on the dynamic runner (FeatureDrafter)
+            model, runner = EagleCausalLM(self.model, zero_features=True), "dynamic"
+        else:
+            model, runner = self.model, self.spec.runner
+        return [time_forward(model, B, [0], context, reps, runner)[0] for B in batch_sizes]
 
     def info(self) -> ActorInfo:
         feature = isinstance(self.model, EagleDraft)
@@ -291,7 +294,7 @@ class TargetActor:
         """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
         out = []
         for B in batch_sizes:
-            out.append(time_forward_upto(self.model, B, k_max, context, reps))
+            out.append(time_forward_upto(self.model, B, k_max, context, reps, self.runner))
         return out
 
     def _steps(self, local: DraftSide, side: TargetSide, k: int, max_steps: int, controller: KController | None,

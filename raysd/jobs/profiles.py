@@ -23,7 +23,9 @@ from raysd.engine.adaptive import StepCosts
 # Step times depend on the engine's own code as well: bump this when a change moves them, so that
 # profiles measured before it are measured again. 2: the verify's packed grouped-query attention
 # (raysd.models.attention) made K + 1 tokens much cheaper than the profiles of version 1 say.
-STEP_CODE_VERSION = 2
+# 3: profiles time the runner the actors run (the static runner for Llama-family models), where
+# versions 1 and 2 timed Hugging Face's DynamicCache runner whatever the actors ran.
+STEP_CODE_VERSION = 3
 
 
 def cache_dir() -> Path:

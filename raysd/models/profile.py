@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from raysd.models.loading import output_vocab_size
-from raysd.models.runner import ModelRunner
+from raysd.models.runners import Runner, make_runner
 
 
 def _sync(device: torch.device) -> None:
@@ -37,8 +37,8 @@ def median_time(fn: Callable[[], None], reps: int, device: torch.device, after: 
     return statistics.median(times)
 
 
-def _prefilled_runner(model, batch_size: int, context: int, vocab: int, seed: int = 0) -> ModelRunner:
-    runner = ModelRunner(model, vocab_size=vocab)
+def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: str, seed: int = 0) -> Runner:
+    runner = make_runner(model, kind, vocab_size=vocab)
     runner.add_rows(batch_size)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch_size, context), generator=g).to(runner.device)  # [B, context]
@@ -47,10 +47,13 @@ def _prefilled_runner(model, batch_size: int, context: int, vocab: int, seed: in
     return runner
 
 
-def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3) -> dict[int, float]:
-    """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}."""
+def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3,
+                 runner: str = "auto") -> dict[int, float]:
+    """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}, through the runner
+    the engine would run the model on (`runner`: raysd.models.runners.make_runner's kind): the
+    static runner's verify and Hugging Face's DynamicCache cost differently per extra token."""
     vocab = output_vocab_size(model)
-    runner = _prefilled_runner(model, batch_size, context, vocab)
+    runner = _prefilled_runner(model, batch_size, context, vocab, runner)
     base = runner.lengths.clone()  # [B]
     out = {}
     for k in ks:
@@ -61,14 +64,15 @@ def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, 
     return out
 
 
-def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, reps: int = 3) -> list[float]:
+def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, reps: int = 3,
+                      runner: str = "auto") -> list[float]:
     """[k_max + 1] seconds of one forward of K + 1 tokens per row, K = 0..k_max: measured at K = 0
     and the powers of two up to k_max (and k_max), linear in between. A forward's time is close to
     piecewise linear in its tokens, and the adaptive controller weighs steps, not microseconds:
     measuring 5 of 9 points takes about half the start-up (issue 17: a profile must cost less
     than it saves)."""
     ks = sorted({0, k_max, *(2**i for i in range(k_max.bit_length()) if 2**i <= k_max)})
-    measured = time_forward(model, batch_size, ks, context, reps)
+    measured = time_forward(model, batch_size, ks, context, reps, runner)
     out = []
     for k in range(k_max + 1):
         hi = next(x for x in ks if x >= k)
