@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kind eagle: continuations at each of these temperatures (0 and/or 1)")
     g.add_argument("--code-prompts", type=int, default=0,
                    help="--kind eagle: also N windows of Python standard-library files (raw text), a fixed tenth held out")
+    g.add_argument("--code-window", type=int, default=0,
+                   help="--kind eagle: which window of each code file (0: the first; j: the j-th after it, for more data)")
     g.add_argument("--holdout-tasks", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="tasks kept entirely out of training, e.g. translation")
     g.add_argument("--topk", type=int, default=32, help="teacher log-probabilities kept per position")
@@ -70,9 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kind eagle: draft steps per position in training, steps 2.. fed the draft's own features (EAGLE-3)")
     g.add_argument("--feature-weight", type=float, default=0.0,
                    help="--kind eagle: weight of EAGLE's smooth-L1 loss between the draft's and the target's next features")
+    g.add_argument("--autocast", choices=["none", "bfloat16"], default="none",
+                   help="--kind eagle: train under torch.autocast in bfloat16 (faster on CPUs with AVX512-BF16 and on GPUs)")
     g.add_argument("--prompt-weight", type=float, default=0.3,
                    help="--kind eagle: loss weight of prompt positions (continuation positions weigh 1)")
     g.add_argument("--device", default="cpu", help="device for the target in the driver")
+    g.add_argument("--teacher-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="with --data-only: the target's dtype while it generates teacher data (bfloat16 is faster "
+                        "on CPUs with AVX512-BF16)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("evaluation")
     g.add_argument("--evaluate", action="store_true", help="measure alpha per task and speedups on the held-out prompts")
@@ -95,12 +102,13 @@ def config_from_args(args):
         train=TrainConfig(loss=args.loss, steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                           max_context=args.max_context, warmup_steps=args.warmup_steps, seed=args.seed, threads=args.threads),
         backend=args.backend, num_workers=args.num_workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
-        device=args.device, save_dtype=args.save_dtype, data_cache=args.data_cache, data_only=args.data_only,
+        device=args.device, teacher_dtype=args.teacher_dtype, save_dtype=args.save_dtype, data_cache=args.data_cache, data_only=args.data_only,
         shard=tuple(int(x) for x in args.shard.split("/")), evaluate=args.evaluate, eval_k=args.eval_k, eval_batch_sizes=tuple(args.eval_batch_sizes),
         eval_max_new_tokens=args.eval_max_new_tokens, chat_template=not args.no_chat_template, seed=args.seed,
-        kind=args.kind, temperatures=tuple(args.temperatures), code_prompts=args.code_prompts,
+        kind=args.kind, temperatures=tuple(args.temperatures), code_prompts=args.code_prompts, code_window=args.code_window,
         holdout_tasks=tuple(args.holdout_tasks),
-        eagle={"ttt_steps": args.ttt_steps, "feature_weight": args.feature_weight, "prompt_weight": args.prompt_weight},
+        eagle={"ttt_steps": args.ttt_steps, "feature_weight": args.feature_weight, "prompt_weight": args.prompt_weight,
+               "autocast": args.autocast},
     )
 
 
@@ -110,8 +118,8 @@ def run(args) -> int:
     if args.data_only and not args.data_cache:
         print("raysd distill: --data-only needs --data-cache", file=sys.stderr)
         return 2
-    if not args.prompts and not (args.data_cache and all(os.path.isfile(p) for p in args.data_cache.split(","))):
-        print("raysd distill: give --prompts (or an existing --data-cache)", file=sys.stderr)
+    if not args.prompts and not args.code_prompts and not (args.data_cache and all(os.path.isfile(p) for p in args.data_cache.split(","))):
+        print("raysd distill: give --prompts or --code-prompts (or an existing --data-cache)", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)

@@ -38,7 +38,7 @@ def build_feature_data(cfg, target, tokenizer, log):
 
     prompts = [p for path in cfg.prompts for p in read_prompts(path)]
     train, heldout = split_prompts(cfg, prompts)
-    code = code_prompts(cfg.code_prompts) if cfg.code_prompts else []
+    code = code_prompts(cfg.code_prompts, window=cfg.code_window) if cfg.code_prompts else []
     encode = prompt_encoder(tokenizer, cfg.chat_template)
     enc, tasks, skipped = select_training_prompts(
         train, lambda text: encode(Prompt(text, "", "")), cfg.max_prompt_tokens, max_per_task=cfg.max_prompts_per_task,
@@ -67,7 +67,7 @@ def build_feature_data(cfg, target, tokenizer, log):
             "skipped_long": skipped if i == 0 else 0,
             "prompts_per_task": {t: tasks.count(t) for t in sorted(set(tasks))},
             "heldout_per_task": cfg.holdout_per_task, "holdout_tasks": sorted(cfg.holdout_tasks),
-            "code_prompts": cfg.code_prompts, "temperatures": list(cfg.temperatures), "max_new_tokens": cfg.max_new_tokens,
+            "code_prompts": cfg.code_prompts, "code_window": cfg.code_window, "temperatures": list(cfg.temperatures), "max_new_tokens": cfg.max_new_tokens,
             "continuation_tokens": sum(len(ex.input_ids) - ex.prompt_len for ex in examples),
             "prompt_tokens": sum(ex.prompt_len for ex in examples), "generation_s": time.perf_counter() - t}
     if cfg.data_cache:
@@ -83,7 +83,7 @@ def distill_eagle(cfg, target=None, tokenizer=None, log=print):
     t0 = time.perf_counter()
     if target is None:
         log(f"loading target {cfg.target}")
-        target = load_model(ModelSpec(cfg.target, device=cfg.device))
+        target = load_model(ModelSpec(cfg.target, dtype=cfg.teacher_dtype, device=cfg.device))
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target)
     examples, meta = build_feature_data(cfg, target, tokenizer, log)

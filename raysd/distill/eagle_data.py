@@ -148,10 +148,14 @@ def is_heldout_code(path: Path, root: Path, fraction: float = 0.1) -> bool:
 
 
 def code_prompts(n: int, *, heldout: bool = False, chars: int = 1200, root: str | Path | None = None,
-                 heldout_fraction: float = 0.1) -> list[Prompt]:
+                 heldout_fraction: float = 0.1, window: int = 0) -> list[Prompt]:
     """`n` code prompts: one window of about `chars` characters (whole lines, from a line fixed by the
     file's name) of each of `n` standard-library files spread evenly over the training (or held-out) files.
+    `window` j > 0 takes the j-th window after that one (starting again at the file's top after one that ends it), so
+    windows 0, 1, 2, ... of the same files are disjoint text while the file is long enough.
     Task "code"; fed as raw text (no chat template)."""
+    if window < 0:
+        raise ValueError(f"code window must be >= 0, got {window}")
     root = Path(root or sysconfig.get_paths()["stdlib"])
     files = [p for p in stdlib_sources(root) if is_heldout_code(p, root, heldout_fraction) == heldout]
     files = [p for p in files if p.stat().st_size > 2 * chars]
@@ -162,10 +166,11 @@ def code_prompts(n: int, *, heldout: bool = False, chars: int = 1200, root: str 
     for p in picked:
         lines = p.read_text(errors="replace").splitlines(keepends=True)
         start = zlib.crc32(p.name.encode()) % max(1, len(lines) // 2)
-        text = ""
-        for line in lines[start:]:
-            if len(text) + len(line) > chars and text:
-                break
-            text += line
-        out.append(Prompt(text, "code", str(p.relative_to(root)), raw=True))
+        for _ in range(window + 1):
+            text, i = "", start
+            while i < len(lines) and not (text and len(text) + len(lines[i]) > chars):
+                text += lines[i]
+                i += 1
+            start = i % len(lines)  # a window that ends the file: the next one starts at its top
+        out.append(Prompt(text, "code", f"{p.relative_to(root)}#{window}" if window else str(p.relative_to(root)), raw=True))
     return out

@@ -45,8 +45,13 @@ class EagleTrainConfig:
     seed: int = 0
     log_every: int = 10
     threads: int = 0
+    # "bfloat16": the forward and backward under torch.autocast (matmuls in bf16, losses and optimizer state in
+    # float32): ~2x the rows per second on a CPU with AVX512-BF16 or a GPU; "none": float32 throughout
+    autocast: str = "none"
 
     def __post_init__(self) -> None:
+        if self.autocast not in ("none", "bfloat16"):
+            raise ValueError(f"autocast must be none or bfloat16, got {self.autocast!r}")
         if self.loss not in ("fkl", "tv"):
             raise ValueError(f"loss must be fkl or tv, got {self.loss!r}")
         if self.steps < 0 or self.batch_tokens < 1 or self.lr <= 0 or self.ttt_steps < 1:
@@ -107,7 +112,8 @@ class EagleLoss(nn.Module):
 
         d = self.draft
         B, R, _ = features.shape
-        with torch.no_grad():
+        # the teacher in float32 even under autocast: its distribution is the label
+        with torch.no_grad(), torch.autocast(features.device.type, enabled=False):
             p_logits = d.head_logits(target_features.float())  # [B, R, N] the target's logits on the head tokens
             logp = torch.log_softmax(p_logits, dim=-1)
             p = logp.exp()
@@ -200,7 +206,8 @@ def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig
             batches = make_batches(examples, cfg.batch_tokens, rng, cfg.max_context)
         batch = collate([examples[i] for i in batches.pop()], cfg.prompt_weight, cfg.max_context)
         batch = {k: v.to(device) for k, v in batch.items()}
-        loss, metrics = module(**batch, cfg=lcfg)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16"):
+            loss, metrics = module(**batch, cfg=lcfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:

@@ -135,16 +135,18 @@ class TargetVerifier:
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor] | None:
         """Prefill new rows (all but each prompt's last token); with features, return each row's
         [len(prompt) - 1, H] features of the prefilled positions."""
+        if self.tap is not None:
+            self.tap.take_all()  # drop whatever ran on the model since (e.g. a step-cost profile)
         self.seqs.add_rows(prompts)
         if self.tap is None:
             return None
         lengths = [len(p) - 1 for p in prompts]
-        if not any(lengths):
-            return [torch.zeros(0, self.hidden_size, device=self.seqs.device) for _ in prompts]
-        F = self.tap.take()  # [n, W, H], each prefilled row right-aligned; only rows with a prefix, or all
-        rows = range(len(prompts)) if F.shape[0] == len(prompts) else [i for i, n in enumerate(lengths) if n]
-        by_row = {i: F[k, F.shape[1] - lengths[i] :] for k, i in enumerate(rows)}
-        return [by_row.get(i, F.new_zeros(0, F.shape[2])) for i in range(len(prompts))]
+        calls = self.tap.take_all()  # one [n, W, H] per prefill forward, its rows right-aligned
+        layout = self.seqs.runner.prefill_calls  # the new rows each of those forwards ran
+        assert len(calls) == len(layout), f"{len(calls)} prefill forwards recorded, the runner made {len(layout)}"
+        by_row = {i: F[k, F.shape[1] - lengths[i] :] for F, rows in zip(calls, layout) for k, i in enumerate(rows)}
+        empty = torch.zeros(0, self.hidden_size, device=self.seqs.device)
+        return [by_row.get(i, empty) for i in range(len(prompts))]
 
     def accepted_features(self, num_accepted: Sequence[int]) -> list[torch.Tensor]:
         """After `verify`: each row's features at the positions it now caches for good (its pending

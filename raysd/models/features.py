@@ -19,11 +19,13 @@ from raysd.models.eagle_draft import EagleDraft, final_norm
 
 
 class FeatureTap:
-    """Keeps the input of `model`'s final norm at its latest forward: [B, T, H] for the T positions
-    of the chunk it ran (the runners right-align each row's real tokens in the chunk)."""
+    """Keeps the input of `model`'s final norm at each forward since the last `take`: [B, T, H] for
+    the T positions of the chunk it ran (the runners right-align each row's real tokens in the
+    chunk). A verify is one forward; a prefill may be several (the static runner prefills prompts
+    of similar lengths together), told apart by the runner's `prefill_calls`."""
 
     def __init__(self, model: nn.Module):
-        self.last: torch.Tensor | None = None
+        self.calls: list[torch.Tensor] = []
         self._handle = final_norm(model).register_forward_pre_hook(self._record)
 
     @staticmethod
@@ -36,12 +38,18 @@ class FeatureTap:
         return tap
 
     def _record(self, module, args) -> None:
-        self.last = args[0].detach()
+        self.calls.append(args[0].detach())
+
+    def take_all(self) -> list[torch.Tensor]:
+        """The features of every forward since the last take, in order."""
+        calls, self.calls = self.calls, []
+        return calls
 
     def take(self) -> torch.Tensor:
-        last, self.last = self.last, None
-        assert last is not None, "no target forward since the last take()"
-        return last
+        """The features of the latest forward (earlier ones since the last take are dropped)."""
+        calls = self.take_all()
+        assert calls, "no target forward since the last take()"
+        return calls[-1]
 
     def remove(self) -> None:
         self._handle.remove()
@@ -74,6 +82,10 @@ class EagleCausalLM(nn.Module):
         if self.features is None and self.zero_features:
             self.features = torch.zeros(B, T, self.config.hidden_size, device=input_ids.device)
         assert self.features is not None and self.features.shape[:2] == (B, T), "set features for the chunk first"
-        logits, self.hidden = self.draft(self.features, input_ids, position_ids, past_key_values, attention_mask)
+        d = self.draft
+        self.hidden = d.hidden(self.features, input_ids, position_ids, past_key_values, attention_mask)  # [B, T, H]
         self.features = None
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+        # the head only where logits are kept: a catch-up over a whole prompt needs one position's, and
+        # the head (FR-Spec or full) costs more than the layer
+        kept = self.hidden[:, -logits_to_keep:] if logits_to_keep else self.hidden
+        return SimpleNamespace(logits=d.head(d.norm(kept)).float())

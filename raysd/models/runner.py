@@ -118,6 +118,7 @@ class ModelRunner:
         n_old = self.num_rows
         with_prefix = [i for i, p in enumerate(prefixes) if len(p)]
         fresh = ModelRunner(self.model, self.vocab_size, self.repack_fraction)
+        self.prefill_calls = [with_prefix] if with_prefix else []  # the new rows each forward ran (runners.py)
         if with_prefix:
             fresh.add_rows(len(with_prefix))
             ids, valid = right_aligned([prefixes[i] for i in with_prefix], self.device)

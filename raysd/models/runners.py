@@ -4,7 +4,9 @@
 for the architectures it supports (Llama, Qwen2, Mistral, SmolLM2); `ModelRunner` (Hugging
 Face DynamicCache, left-padded rows) runs every other causal LM. Both take the same calls:
 `forward`, `rollback`, `select`, `add_rows`, `add_prefilled`, and keep the same promise:
-each row's logits are those of an unpadded batch-of-one forward over its history.
+each row's logits are those of an unpadded batch-of-one forward over its history. After
+`add_prefilled`, `prefill_calls` lists the new rows (0-based among them) that each of its
+forwards ran, in order, right-aligned: what a feature tap needs to tell the rows apart.
 """
 
 from __future__ import annotations

@@ -331,11 +331,13 @@ class StaticModelRunner:
         start = self.num_rows
         self.add_rows(len(prefixes))
         bound = self._bound
+        self.prefill_calls = []  # the new rows each forward ran (runners.py)
         for lo, hi in prefill_groups([len(p) for p in prefixes]):
             ids, valid = right_aligned(prefixes[lo:hi], self.device)  # [n, W]
             width = ids.shape[1]
             if width == 0:
                 continue
+            self.prefill_calls.append(list(range(lo, hi)))
             ones = torch.ones(hi - lo, dtype=torch.int64, device=self.device)
             self._bound = 0  # the new rows start empty: attend W columns, not the old rows' bound + W
             self._forward(slice(start + lo, start + hi), ids, valid, ones, 1)

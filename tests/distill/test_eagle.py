@@ -61,9 +61,11 @@ def test_training_time_test_is_the_drafters_loop(target):
             torch.testing.assert_close(feat[0, 0], rows[j - 1][0, n + j - 1], atol=1e-5, rtol=1e-5)
 
 
-def test_training_raises_agreement(target, examples):
+@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
+def test_training_raises_agreement(target, examples, autocast):
     d = EagleDraft.from_target(target, head_ids=None, seed=0)
-    cfg = EagleTrainConfig(steps=30, lr=3e-3, batch_tokens=256, warmup_steps=2, ttt_steps=2, prompt_weight=1.0)
+    cfg = EagleTrainConfig(steps=30, lr=3e-3, batch_tokens=256, warmup_steps=2, ttt_steps=2, prompt_weight=1.0,
+                           autocast=autocast)
     before = evaluate_eagle_loss(d, examples, cfg)
     frozen = d.embed_tokens.weight.clone()
     train_eagle(d, examples, cfg)
@@ -71,6 +73,12 @@ def test_training_raises_agreement(target, examples):
     assert after["loss"] < 0.8 * before["loss"], (before, after)
     assert after["top1_step1"] > before["top1_step1"]
     assert torch.equal(d.embed_tokens.weight, frozen)
+    assert d.fc.weight.dtype == torch.float32  # autocast trains float32 weights
+
+
+def test_autocast_is_validated():
+    with pytest.raises(ValueError, match="autocast"):
+        EagleTrainConfig(autocast="float16")
 
 
 def test_collate_weights(examples):
@@ -155,3 +163,31 @@ def test_saved_data_round_trip(tmp_path, examples):
     back, meta = load_feature_data(tmp_path / "d.pt")
     assert meta == {"x": 1} and back[0].input_ids == examples[0].input_ids
     assert torch.equal(back[1].features, examples[1].features)
+
+
+def test_code_windows_are_consecutive_disjoint_text(tmp_path):
+    from raysd.distill.eagle_data import code_prompts
+
+    lines = [f"x_{i} = {i}  # line {i}\n" for i in range(400)]  # ~20 characters a line
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("".join(lines))
+    w0, w1, w2 = (code_prompts(2, root=tmp_path, chars=600, heldout_fraction=0.0, window=j) for j in range(3))
+    for a, b, c in zip(w0, w1, w2):
+        assert len(a.text) <= 600 and a.text and b.text and c.text
+        assert not set(a.text.splitlines()) & set(b.text.splitlines())
+        assert not set(b.text.splitlines()) & set(c.text.splitlines())
+        # window j + 1 starts on the line after window j ends
+        assert int(b.text.split("=")[0][2:]) == int(a.text.splitlines()[-1].split("=")[0][2:]) + 1
+        assert b.task == "code" and b.raw and b.id.endswith("#1") and not a.id.endswith("#0")
+    with pytest.raises(ValueError, match="window"):
+        code_prompts(1, root=tmp_path, window=-1)
+
+
+def test_teacher_dtype_is_for_data_only_runs():
+    from raysd.distill.api import DistillConfig
+
+    DistillConfig(kind="eagle", data_only=True, teacher_dtype="bfloat16")
+    with pytest.raises(ValueError, match="only for --data-only"):
+        DistillConfig(kind="eagle", teacher_dtype="bfloat16")
+    with pytest.raises(ValueError, match="teacher_dtype"):
+        DistillConfig(kind="eagle", data_only=True, teacher_dtype="int8")

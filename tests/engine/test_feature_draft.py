@@ -69,6 +69,37 @@ def test_the_draft_reads_the_targets_own_features(runner):
     handle.remove()
 
 
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
+def test_prompts_prefilled_in_several_forwards_get_their_own_features(runner):
+    """The static runner prefills prompts of very different lengths in separate forwards
+    (`prefill_groups`); each row's features are still its own: a 1-token prompt (nothing to
+    prefill), short ones and a long one, admitted together, against a full forward of each."""
+    target = tiny_model("llama", seed=0)
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 1, 160, 6, 90)]
+    engine = eagle_engine(target, 3, len(ps), runner)
+    items = [(i, Request(i, p, SamplingParams(max_new_tokens=4, ignore_eos=True))) for i, p in enumerate(ps)]
+    features = engine.target_side.verifier.add_rows([p for p in ps])
+    if runner == "static":
+        assert len(engine.target_side.verifier.seqs.runner.prefill_calls) > 1  # the case under test
+    seen = []
+    handle = final_norm(target).register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    for p, f in zip(ps, features):
+        seen.clear()
+        with torch.no_grad():
+            target(torch.tensor([p]))
+        assert f.shape[0] == len(p) - 1
+        torch.testing.assert_close(f, seen[0][0, : len(p) - 1], atol=1e-4, rtol=1e-4)
+    handle.remove()
+    engine.target_side.verifier.select([])
+    # and through the engine: greedy output is the target's own
+    results = SpecEngine(target, eagle_engine(target, 3, len(ps), runner).drafter,
+                         EngineConfig(num_speculative_tokens=3, max_batch_size=len(ps), runner=runner)).generate(
+        [r for _, r in items])
+    for p, r in zip(ps, results):
+        assert r.token_ids == hf_greedy(target, p, 4)
+
+
 def test_a_rows_first_step_drafts_nothing():
     """The target prefills, so a row has features only after its first target pass."""
     target = tiny_model("llama", seed=0)
