@@ -167,6 +167,16 @@ class StaticModelRunner:
         n = max_logits if max_logits is not None else int(num_logits.max())
         return self._forward(slice(0, self.num_rows), chunks, chunk_valid, num_logits, n)
 
+    @torch.inference_mode()
+    def forward_rows(self, rows: slice, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
+                     max_logits: int) -> torch.Tensor:
+        """As `forward`, on the contiguous rows `rows` only; the other rows keep their caches and
+        lengths. A caller feeding a few rows many tokens (an EAGLE draft catching up on a new
+        row's prompt) need not pad every row to them. The attended width grows by the chunk's
+        width, an upper bound: `rollback` with the host's max length tightens it again."""
+        assert 0 <= rows.start < rows.stop <= self.num_rows and chunks.shape[0] == rows.stop - rows.start
+        return self._forward(rows, chunks, chunk_valid, num_logits, max_logits)
+
     def _forward(self, rows: slice, chunks, chunk_valid, num_logits, n: int) -> torch.Tensor:
         B, T = chunks.shape
         assert chunk_valid.shape == (B, T) and num_logits.shape == (B,) and rows.stop - rows.start == B

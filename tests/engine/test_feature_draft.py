@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.engine import drafters
 from raysd.engine.drafters import FeatureDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
@@ -98,6 +99,33 @@ def test_prompts_prefilled_in_several_forwards_get_their_own_features(runner):
         [r for _, r in items])
     for p, r in zip(ps, results):
         assert r.token_ids == hf_greedy(target, p, 4)
+
+
+def test_catch_up_feeds_a_long_prompt_in_its_own_forward(monkeypatch):
+    """On the static runner the draft catches up on a newly joined row's whole prompt in its own
+    forward (`prefill_groups`), not padding the other rows' one or two pairs to it, and drafts
+    what one padded forward drafts: the same tokens, the same acceptance."""
+    target = tiny_model("llama", seed=0)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 150, 4, 120, 5)]
+    requests = [Request(i, p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(ps)]
+
+    def run(grouped: bool):
+        engine = eagle_engine(target, 3, 2, "static")  # batch 2: rows join as others finish
+        runner, calls = engine.drafter.runner, []
+        forward_rows = runner.forward_rows
+        with monkeypatch.context() as m:
+            m.setattr(runner, "forward_rows", lambda rows, *a: calls.append(rows.stop - rows.start) or forward_rows(rows, *a))
+            if not grouped:
+                m.setattr(drafters, "prefill_groups", lambda counts: [(0, len(counts))])
+            return engine.generate(requests), calls
+
+    (grouped, grouped_calls), (single, single_calls) = run(True), run(False)
+    assert len(grouped_calls) > len(single_calls)  # the case under test: some steps caught up in several forwards
+    for a, b in zip(grouped, single):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+        assert a.stats.num_accepted_draft_tokens == b.stats.num_accepted_draft_tokens
+        assert a.stats.num_draft_tokens == b.stats.num_draft_tokens
 
 
 def test_a_rows_first_step_drafts_nothing():
