@@ -15,6 +15,8 @@ number of tokens. Variants interleaved within each repeat; medians over repeats.
     python bench/fastpath_bench.py                    # the documented run (docs/benchmarks.md)
     python bench/fastpath_bench.py --quick            # smoke test (not a measurement)
     python bench/fastpath_bench.py --runner dynamic   # the Hugging Face DynamicCache runner instead
+    python bench/fastpath_bench.py --stock-ar         # also the engine's AR on PyTorch's own linears
+                                                      # (raysd.models.linear): the packed kernels' gain
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def parse_args():
     p.add_argument("--runner", default="auto", choices=["auto", "static", "dynamic"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stock-ar", action="store_true",
+                   help="add the engine's AR with linear_kernels='stock' (PyTorch's own linears), interleaved")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "fastpath_bench.json"))
     p.add_argument("--quick", action="store_true", help="6 prompts, 8 tokens, 1 repeat, batch 1 and 2")
     a = p.parse_args()
@@ -85,9 +89,10 @@ class ForwardClock:
         return self.calls.get((phase, name), 0)
 
 
-def run_engine(target, drafter, k, batch, prompts, max_new, clock: ForwardClock, runner: str):
+def run_engine(target, drafter, k, batch, prompts, max_new, clock: ForwardClock, runner: str, kernels: str = "auto"):
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch, runner=runner))
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch, runner=runner,
+                                                      linear_kernels=kernels))
     for side in (engine.verifier, engine.drafter):  # prefill forwards are timed apart from the steps
         add = side.add_rows
 
@@ -150,6 +155,8 @@ def main():
         "HF generate": lambda b, ps, n: hf_generate(target, b, ps, n, pad),
         f"engine draft K={a.k}": lambda b, ps, n: run_engine(target, DraftModelDrafter(draft, vocab, runner=a.runner), a.k, b, ps, n, clock, a.runner),
     }
+    if a.stock_ar:
+        variants["engine AR stock"] = lambda b, ps, n: run_engine(target, NoDrafter(vocab), 0, b, ps, n, clock, a.runner, "stock")
     for name, fn in variants.items():  # warm-up
         for b in a.batch_sizes:
             fn(b, prompts[:2], 4)
@@ -192,6 +199,12 @@ def main():
             "of_prediction": measured / predicted, "of_prediction_steps": measured_steps / predicted,
             "loadavg": [x["loadavg"] for name in variants for x in runs[(name, b)]],
         })
+        if a.stock_ar:  # paired per repeat: the packed kernels' gain on the same prompts, same load
+            stock = runs[("engine AR stock", b)]
+            rows[-1]["ar_vs_stock"] = median([x["wall_s"] / y["wall_s"] for x, y in zip(stock, ar)])
+            rows[-1]["t_target_1_stock_ms"] = median([x["t_target_step"] for x in stock]) * 1e3
+            if not same_until_eos(stock[0]["tokens"], hf[0]["tokens"], eos):
+                mismatches.append(b)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({**info, "rows": rows, "mismatches": mismatches, "loadavg_end": loadavg()}, indent=1))
     print(f"\n{'B':>3} {'AR tok/s':>9} {'HF tok/s':>9} {'AR/HF':>6} {'AR ovh':>7} {'spec ovh':>8} {'E':>5} "
@@ -202,6 +215,10 @@ def main():
               f"{r['spec_overhead']:8.1%} {r['tokens_per_pass']:5.2f} {r['t_target_1_ms']:6.1f} {r['t_target_k1_ms']:7.1f} "
               f"{r['t_draft_ms']:6.2f} {r['spec_speedup']:8.2f} {r['spec_speedup_steps']:6.2f} {r['predicted_speedup']:6.2f} "
               f"{r['of_prediction']:7.1%} {r['of_prediction_steps']:6.1%} {r['occupancy_ar']:6.2f} {r['occupancy_spec']:6.2f}")
+    for r in rows:
+        if "ar_vs_stock" in r:
+            print(f"B={r['batch']}: engine AR packed / stock linears {r['ar_vs_stock']:.2f}x (paired), "
+                  f"T1 {r['t_target_1_ms']:.1f} vs {r['t_target_1_stock_ms']:.1f} ms")
     print(f"wrote {a.out}")
     assert not mismatches, f"greedy tokens differ from HF generate at batch sizes {mismatches}"
 

@@ -18,6 +18,7 @@ from raysd.engine.hierarchy import AssistedDraftModelDrafter
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
 from raysd.engine.verifier import TargetVerifier
+from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
 
@@ -37,6 +38,10 @@ class EngineConfig:
     # The target's KV cache: "auto" = static slots for Llama-family models, the Hugging Face
     # dynamic cache otherwise (raysd.models.runners). A draft model's runner is its drafter's.
     runner: str = "auto"
+    # The target's linear layers: "auto" = oneDNN-prepacked weights for a float32 model on a CPU
+    # (a verify of K + 1 tokens then costs about one decode step; raysd.models.linear; one more
+    # copy of the weights in memory), PyTorch's own otherwise; "packed" insists; "stock" never.
+    linear_kernels: str = "auto"
     # "exact" (default), or "relaxed:LAMBDA": verify against (1 - LAMBDA) target + LAMBDA draft
     # (raysd.core.rejection.rejection_sample; lossy, on Yin et al. 2024's quality-speed front).
     acceptance: str = "exact"
@@ -47,6 +52,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        check_linear_kernels(self.linear_kernels)
         relax = parse_acceptance(self.acceptance)
         check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens, self.adaptive is not None,
                           relax is not None or self.synthetic_acceptance_rate is not None)
@@ -134,7 +140,8 @@ class SpecEngine:
     one after the other, new requests taking the slots finished rows free."""
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter, config: EngineConfig):
-        verifier = TargetVerifier(target, config.runner, features=drafter.needs_features)
+        verifier = TargetVerifier(target, config.runner, features=drafter.needs_features,
+                                  linear_kernels=config.linear_kernels)
         if config.tree_budget and (error := tree_support_error(drafter, verifier)):
             raise ValueError(error)
         self.config = config

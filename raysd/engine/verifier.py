@@ -125,8 +125,9 @@ class TargetVerifier:
     every position it caches, for a feature draft: `add_rows` returns the prompts', and
     `accepted_features` a step's accepted positions'."""
 
-    def __init__(self, model: PreTrainedModel, runner: str = "auto", features: bool = False):
-        self.seqs = SequenceState(make_runner(model, runner))
+    def __init__(self, model: PreTrainedModel, runner: str = "auto", features: bool = False,
+                 linear_kernels: str = "auto"):
+        self.seqs = SequenceState(make_runner(model, runner, linear_kernels=linear_kernels))
         self.vocab_size = self.seqs.runner.vocab_size
         self.tap = FeatureTap.of(model) if features else None
         self.hidden_size = model.config.hidden_size

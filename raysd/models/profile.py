@@ -37,8 +37,9 @@ def median_time(fn: Callable[[], None], reps: int, device: torch.device, after: 
     return statistics.median(times)
 
 
-def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: str, seed: int = 0) -> Runner:
-    runner = make_runner(model, kind, vocab_size=vocab)
+def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: str, seed: int = 0,
+                      linear_kernels: str = "auto") -> Runner:
+    runner = make_runner(model, kind, vocab_size=vocab, linear_kernels=linear_kernels)
     runner.add_rows(batch_size)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch_size, context), generator=g).to(runner.device)  # [B, context]
@@ -48,12 +49,12 @@ def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: st
 
 
 def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3,
-                 runner: str = "auto") -> dict[int, float]:
+                 runner: str = "auto", linear_kernels: str = "auto") -> dict[int, float]:
     """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}, through the runner
     the engine would run the model on (`runner`: raysd.models.runners.make_runner's kind): the
     static runner's verify and Hugging Face's DynamicCache cost differently per extra token."""
     vocab = output_vocab_size(model)
-    runner = _prefilled_runner(model, batch_size, context, vocab, runner)
+    runner = _prefilled_runner(model, batch_size, context, vocab, runner, linear_kernels=linear_kernels)
     base = runner.lengths.clone()  # [B]
     out = {}
     for k in ks:

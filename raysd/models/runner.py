@@ -19,16 +19,21 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, repack_fraction: float = 0.25):
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, repack_fraction: float = 0.25,
+                 linear_kernels: str = "auto"):
         """repack_fraction: re-pack once holes make the cache wider than the longest row by this
         fraction (0: after every rollback). A re-pack copies every layer's cache, which on CPU
-        cost more than half a decode step when done at every step; holes cost attention width."""
+        cost more than half a decode step when done at every step; holes cost attention width.
+        linear_kernels: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU)."""
         assert repack_fraction >= 0
         self.model = model
+        self.linear_kernels = linear_kernels
+        self._packed = use_packed(model, linear_kernels)
         self.repack_fraction = repack_fraction
         self.device = next(model.parameters()).device
         self.vocab_size = vocab_size or output_vocab_size(model)
@@ -63,14 +68,15 @@ class ModelRunner:
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
         mask = torch.cat([self.valid, chunk_valid], dim=1)  # [B, L + T]
         n = max_logits if max_logits is not None else int(num_logits.max())
-        out = self.model(
-            input_ids=chunks,
-            attention_mask=mask.long(),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=n,
-        )
+        with linear_kernels(self.model, self._packed):
+            out = self.model(
+                input_ids=chunks,
+                attention_mask=mask.long(),
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=n,
+            )
         self.valid = mask
         self.lengths = self.lengths + chunk_valid.sum(dim=1)
         logits = out.logits[:, -n:, : self.vocab_size].float()  # [B, n, V]
@@ -117,7 +123,7 @@ class ModelRunner:
         forward; an empty prefix is an empty row."""
         n_old = self.num_rows
         with_prefix = [i for i, p in enumerate(prefixes) if len(p)]
-        fresh = ModelRunner(self.model, self.vocab_size, self.repack_fraction)
+        fresh = ModelRunner(self.model, self.vocab_size, self.repack_fraction, self.linear_kernels)
         self.prefill_calls = [with_prefix] if with_prefix else []  # the new rows each forward ran (runners.py)
         if with_prefix:
             fresh.add_rows(len(with_prefix))

@@ -28,10 +28,12 @@ def check_runner_kind(kind: str) -> None:
         raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {kind!r}")
 
 
-def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None) -> Runner:
+def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,
+                linear_kernels: str = "auto") -> Runner:
     """"auto": the static runner where the architecture supports it, else the dynamic one;
-    "static" refuses an unsupported model with a clear error instead of falling back."""
+    "static" refuses an unsupported model with a clear error instead of falling back.
+    `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32; "stock")."""
     check_runner_kind(kind)
     if kind == "static" or (kind == "auto" and supports_static(model)):
-        return StaticModelRunner(model, vocab_size=vocab_size)
-    return ModelRunner(model, vocab_size=vocab_size)
+        return StaticModelRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels)
+    return ModelRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels)

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
+from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
 from raysd.models.runner import right_aligned
 
@@ -122,10 +123,11 @@ class _SlotCache(Cache):
 
 class StaticModelRunner:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, max_cache_len: int = 256,
-                 checks: bool = False, compile: bool = False, width_bucket: int = 64):
+                 checks: bool = False, compile: bool = False, width_bucket: int = 64, linear_kernels: str = "auto"):
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
         `checks` turns on the assertions that need a host synchronisation (tests);
-        `compile` runs the model through torch.compile (static shapes per (B, T, W))."""
+        `compile` runs the model through torch.compile (static shapes per (B, T, W));
+        `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU)."""
         if not supports_static(model):
             impl = getattr(model.config, "_attn_implementation", None)
             raise ValueError(f"StaticModelRunner supports {sorted(STATIC_MODEL_TYPES)} with sdpa/eager attention, "
@@ -144,6 +146,7 @@ class StaticModelRunner:
         self._num_rows = 0
         self._bound = 0  # host upper bound on max(lengths)
         self._model_call = torch.compile(model, dynamic=False) if compile else model
+        self._packed = use_packed(model, linear_kernels) and not compile  # Inductor packs its own
 
     @property
     def num_rows(self) -> int:
@@ -207,7 +210,9 @@ class StaticModelRunner:
         cache = self.cache
         cache.rows, cache.width, cache.write_columns = rows, width, write
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
-        with packed_gqa(self.model):  # K + 1 query tokens without copying the cache per key/value group
+        # K + 1 query tokens without copying the cache per key/value group, and without re-packing
+        # each weight per product on a CPU
+        with packed_gqa(self.model), linear_kernels(self.model, self._packed):
             out = self._model_call(
                 input_ids=chunks,
                 attention_mask=self._mask(allowed[:, None]),

@@ -166,11 +166,13 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
     with no graph break, and later steps (other lengths, rollbacks in between, within one
     attended width) reuse that graph: static shapes. (ModelRunner's DynamicCache also
     traces without a break, but its cache grows every step: new shapes, new buffers, so
-    neither a fixed compiled graph nor a CUDA graph can be reused.)"""
+    neither a fixed compiled graph nor a CUDA graph can be reused.) The runners here run stock
+    linears: the prepacked CPU kernels (raysd.models.linear) are an eager path, off under
+    `compile=True` and on a GPU, where these graphs are for."""
     import torch._dynamo as dynamo
 
     model = tiny_model("llama", seed=0)
-    runner = StaticModelRunner(model, max_cache_len=64)
+    runner = StaticModelRunner(model, max_cache_len=64, linear_kernels="stock")
     runner.add_rows(4)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, VOCAB, (4, 8), generator=g)
@@ -205,7 +207,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
         dynamo.reset()
         return counts
 
-    assert graphs_over_steps(lambda: StaticModelRunner(model, max_cache_len=64)) == [2, 2, 2, 2]  # prefill + one decode graph
+    assert graphs_over_steps(lambda: StaticModelRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # prefill + one decode graph
 
 
 @pytest.mark.skipif(os.environ.get("RAYSD_COMPILE_TESTS") != "1", reason="inductor compile takes minutes on a CPU; RAYSD_COMPILE_TESTS=1")

@@ -1,0 +1,148 @@
+"""Linear layers for decoding and verification on a CPU: prepacked oneDNN weights for a few rows.
+
+A decode or verify forward multiplies each weight by M = rows x tokens activations, M = 1 to a few
+dozen, and reads every weight from memory once per forward: the model is memory-bound, and a
+product over M rows should cost about what one over a single row costs. PyTorch's `F.linear` on
+the CPU does not: MKL's GEMM re-packs the weight on every call, so M = 2 costs ~2x and M = 3 ~3x a
+single row (float32, SmolLM2-135M's shapes, weights cold in cache, one thread, AMD EPYC AVX2;
+docs/benchmarks.md "Linear kernels"). A verify over K + 1 tokens therefore cost up to twice a
+decode step, which is what decides whether speculation pays on a CPU.
+
+oneDNN's linear over a weight packed once in its blocked layout (what Inductor's CPU freezing and
+vLLM's CPU backend run) costs 1.0-1.4x a single row up to M = 8 on the wide layers. And for one
+row, a layer wider than tall reads faster as x @ W^T stored [in, out] than as `F.linear`'s W x
+(the output head 49152 x 576 at 17.8 against 8.4 GB/s, gate/up 1536 x 576 at 11.4 against 8.0;
+a taller one, down 576 x 1536, reads slower so). Inside `with linears.active():`:
+- M >= 2: `torch.ops.mkldnn._linear_pointwise` on the packed copy;
+- M = 1: x @ W^T on a transposed copy for layers with out_features > in_features, `F.linear` for
+  the others.
+The results differ from `F.linear`'s by float32 summation order only (~1e-6 relative), as MKL's
+GEMM and GEMV already differ from each other; tests/models/test_linear.py holds the runners'
+logits and the engine's greedy tokens to the stock kernels'.
+
+The copies cost memory: one packed copy of every linear weight, and a transposed one of the layers
+wider than tall (+0.86 GB for SmolLM2-135M in float32, whose weights are 0.54 GB). They are made on a model's first use, kept on the
+model (`model_linears`), and made again if a weight changed since (distillation trains drafts in
+place). Outside the block the model is stock, so the same object still runs Hugging Face
+`generate` with PyTorch's own kernels.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
+PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
+_ATTR = "_raysd_linears"
+
+
+def check_linear_kernels(kind: str) -> None:
+    if kind not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernels must be one of {LINEAR_KERNELS}, got {kind!r}")
+
+
+def packed_supported(model: nn.Module) -> str | None:
+    """Why `model` cannot run the packed kernels, or None: they are for float32 on a CPU with oneDNN."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return "packed linear kernels need a model with parameters"
+    if param.device.type != "cpu":
+        return f"packed linear kernels are for the CPU; this model is on {param.device}"
+    if param.dtype != torch.float32:
+        return f"packed linear kernels are for float32; this model is {param.dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return "packed linear kernels need PyTorch built with oneDNN (mkldnn)"
+    return None
+
+
+def use_packed(model: nn.Module, kind: str) -> bool:
+    """"auto": packed where supported; "packed": packed or a one-line error; "stock": never."""
+    check_linear_kernels(kind)
+    reason = packed_supported(model)
+    if kind == "packed" and reason:
+        raise ValueError(reason)
+    return kind != "stock" and reason is None
+
+
+class _Packed:
+    """One nn.Linear's copies and the forward that picks between them by row count."""
+
+    def __init__(self, module: nn.Linear):
+        weight = module.weight.detach()  # [N, K]
+        self.weight, self.bias = weight, None if module.bias is None else module.bias.detach()
+        self.version = (weight.data_ptr(), weight._version)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)  # oneDNN blocked [N, K]
+        self.transposed = weight.t().contiguous() if weight.shape[0] > weight.shape[1] else None  # [K, N]
+
+    def stale(self, module: nn.Linear) -> bool:
+        w = module.weight
+        return (w.data_ptr(), w._version) != self.version or (module.bias is None) != (self.bias is None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
+        if x.numel() == x.shape[-1]:  # one row: a matrix-vector product
+            if self.transposed is None:
+                return F.linear(x, self.weight, self.bias)
+            y = x @ self.transposed
+            return y if self.bias is None else y + self.bias
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PackedLinears:
+    """The packed copies of one model's nn.Linear layers; `active()` switches them in."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers: dict[nn.Linear, _Packed] = {}
+        self._depth = 0  # nested blocks (a draft that is the target's own model) switch once
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)make the copies of layers whose weights changed since they were made, or are new."""
+        with torch.no_grad():
+            for module in self.model.modules():
+                if type(module) is nn.Linear and (module not in self.layers or self.layers[module].stale(module)):
+                    self.layers[module] = _Packed(module)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Inside the block every plain nn.Linear of the model runs its packed forward. Only
+        without autograd (the runners' inference mode): the copies carry no gradient."""
+        if torch.is_grad_enabled() or self._depth:
+            yield
+            return
+        if any(p.stale(m) for m, p in self.layers.items()):
+            self.refresh()
+        for module, packed in self.layers.items():
+            module.forward = packed.forward  # an instance attribute shadows nn.Linear.forward
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            for module in self.layers:
+                del module.forward
+
+
+def model_linears(model: nn.Module) -> PackedLinears:
+    """The model's packed linears, made on first use and kept on the model itself, so every runner
+    over the same model (the verifier's, a profile's, a draft sharing the target) shares one copy."""
+    linears = model.__dict__.get(_ATTR)
+    if linears is None:
+        linears = PackedLinears(model)
+        model.__dict__[_ATTR] = linears  # not a submodule or buffer: state_dict and .to() never see it
+    return linears
+
+
+@contextmanager
+def linear_kernels(model: nn.Module, packed: bool) -> Iterator[None]:
+    """The runners' switch: the packed kernels inside the block when `packed`, else nothing."""
+    if not packed:
+        yield
+        return
+    with model_linears(model).active():
+        yield

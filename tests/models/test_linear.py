@@ -1,0 +1,118 @@
+"""raysd.models.linear: the prepacked CPU linear kernels compute what nn.Linear computes (to float32
+summation order), are switched in only inside the runners' forwards, follow weights changed in
+place, and leave the engine's greedy output identical to the target's own `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raysd.core.sampling import SamplingParams
+from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.rows import Request
+from raysd.models.linear import model_linears, use_packed
+from raysd.models.runner import ModelRunner
+from raysd.models.static_runner import StaticModelRunner
+from tests.conftest import EOS, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
+
+WIDE_VOCAB = 8232  # a real-sized output head (tiny models' heads and up-projections are wider than tall too)
+
+
+def _switched(model: nn.Module) -> list[bool]:
+    return ["forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear]
+
+
+@pytest.mark.parametrize("out_features", [24, 200])  # taller than wide (F.linear at one row), wider (x @ W^T)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32), (2, 32), (3, 5, 32), (40, 32)])
+def test_packed_forward_equals_linear(out_features, bias, shape):
+    g = torch.Generator().manual_seed(out_features + len(shape))
+    layer = nn.Linear(32, out_features, bias=bias)
+    x = torch.randn(shape, generator=g)
+    expected = F.linear(x, layer.weight, layer.bias)  # (..., N)
+    with torch.inference_mode(), model_linears(layer).active():
+        assert _switched(layer) == [True]
+        got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert _switched(layer) == [False]
+
+
+def test_switch_is_undone_on_error_and_never_applies_with_autograd():
+    model = tiny_model("llama")
+    linears = model_linears(model)
+    with pytest.raises(RuntimeError), torch.inference_mode(), linears.active():
+        assert all(_switched(model))
+        raise RuntimeError("boom")
+    assert not any(_switched(model))
+    with linears.active():  # grad enabled: the copies carry no gradient, so the model stays stock
+        assert not any(_switched(model))
+    with torch.inference_mode(), linears.active(), linears.active():  # nested: switched once, undone once
+        assert all(_switched(model))
+    assert not any(_switched(model))
+
+
+def test_copies_are_shared_per_model_kept_out_of_its_state_and_follow_in_place_updates():
+    model = tiny_model("llama", seed=2)
+    keys = set(model.state_dict())
+    linears = model_linears(model)
+    assert model_linears(model) is linears and set(model.state_dict()) == keys
+    head = model.get_output_embeddings()
+    x = torch.randn(3, 4, model.config.hidden_size)
+    with torch.no_grad():
+        head.weight.mul_(-2.0)  # as an optimizer step would: in place
+    expected = F.linear(x, head.weight)
+    with torch.inference_mode(), linears.active():
+        torch.testing.assert_close(head(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_float32_on_a_cpu_and_packed_refuses_anything_else_in_one_line():
+    model = tiny_model("llama")
+    assert use_packed(model, "auto") and use_packed(model, "packed") and not use_packed(model, "stock")
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert not use_packed(half, "auto")
+    with pytest.raises(ValueError, match="float32"):
+        use_packed(half, "packed")
+    with pytest.raises(ValueError, match="linear_kernels must be one of"):
+        use_packed(model, "fast")
+
+
+@pytest.mark.parametrize("runner_cls", [StaticModelRunner, ModelRunner])
+def test_runner_logits_with_packed_kernels_equal_stock(runner_cls):
+    """A prompt, then K + 1 = 5 tokens, then 1 token per row, through a runner on each kernel kind."""
+    model = tiny_model("llama", seed=5, vocab=WIDE_VOCAB)
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(3, WIDE_VOCAB, (2, n), generator=g) for n in (9, 5, 1)]
+    logits = {}
+    for kind in ("stock", "packed"):
+        runner = runner_cls(model, linear_kernels=kind)
+        runner.add_rows(2)
+        logits[kind] = [runner.forward(c, torch.ones_like(c, dtype=torch.bool), torch.full((2,), c.shape[1]), c.shape[1])
+                        for c in chunks]  # [(B, T, V)]
+        assert not any(_switched(model))  # stock outside the runner's forward
+    for stock, packed in zip(logits["stock"], logits["packed"]):
+        torch.testing.assert_close(packed, stock, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("runner", ["static", "dynamic"])
+def test_engine_greedy_on_packed_kernels_equals_target_generate(runner):
+    """A wide head (one-row transposed product) and K + 1 verify chunks (oneDNN) against the target's
+    own stock `generate`, at batch 1 and 4, a draft model and the n-gram drafter."""
+    target = tiny_model("llama", seed=7, vocab=WIDE_VOCAB)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, WIDE_VOCAB, (n,), generator=g).tolist() for n in (6, 11, 2, 8)]
+    expected = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=EOS,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for batch in (1, 4):
+        for drafter in (DraftModelDrafter(tiny_model("llama", seed=8, layers=1, vocab=WIDE_VOCAB), WIDE_VOCAB, runner=runner),
+                        NgramDrafter(WIDE_VOCAB)):
+            config = EngineConfig(num_speculative_tokens=3, max_batch_size=batch, eos_token_ids=(EOS,), runner=runner,
+                                  linear_kernels="packed")
+            engine = SpecEngine(target, drafter, config)
+            results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=16)) for i, p in enumerate(prompts)])
+            assert [r.token_ids for r in results] == expected
