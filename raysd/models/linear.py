@@ -101,6 +101,11 @@ class PackedLinears:
         self._depth = 0  # nested blocks (a draft that is the target's own model) switch once
         self.refresh()
 
+    def __reduce__(self):
+        """A copied or pickled model leaves its copies behind and packs its own on first use
+        (`copy.deepcopy(model).to(torch.bfloat16)` must not carry float32 oneDNN tensors along)."""
+        return _dropped, ()
+
     def refresh(self) -> None:
         """(Re)make the copies of layers whose weights changed since they were made, or are new."""
         with torch.no_grad():
@@ -126,6 +131,10 @@ class PackedLinears:
             self._depth -= 1
             for module in self.layers:
                 del module.forward
+
+
+def _dropped() -> None:
+    return None
 
 
 def model_linears(model: nn.Module) -> PackedLinears:

@@ -71,6 +71,21 @@ def test_copies_are_shared_per_model_kept_out_of_its_state_and_follow_in_place_u
         torch.testing.assert_close(head(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_copied_or_pickled_model_packs_its_own():
+    import copy
+    import pickle
+
+    model = tiny_model("llama", seed=4)
+    linears = model_linears(model)
+    x = torch.randn(2, 3, model.config.hidden_size)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert model_linears(twin) is not linears
+        head = twin.get_output_embeddings()
+        assert set(model_linears(twin).layers) == {m for m in twin.modules() if type(m) is nn.Linear}
+        with torch.inference_mode(), model_linears(twin).active():
+            torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
+
+
 def test_auto_is_float32_on_a_cpu_and_packed_refuses_anything_else_in_one_line():
     model = tiny_model("llama")
     assert use_packed(model, "auto") and use_packed(model, "packed") and not use_packed(model, "stock")
