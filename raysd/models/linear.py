@@ -13,7 +13,9 @@ vLLM's CPU backend run) costs 1.0-1.4x a single row up to M = 8 on the wide laye
 row, a layer wider than tall reads faster as x @ W^T stored [in, out] than as `F.linear`'s W x
 (the output head 49152 x 576 at 17.8 against 8.4 GB/s, gate/up 1536 x 576 at 11.4 against 8.0;
 a taller one, down 576 x 1536, reads slower so). Inside `with linears.active():`:
-- M >= 2: `torch.ops.mkldnn._linear_pointwise` on the packed copy;
+- 2 <= M <= 128: `torch.ops.mkldnn._linear_pointwise` on the packed copy, the rows padded up to
+  one of `ROW_BUCKETS` (oneDNN caches a compiled primitive per shape: see there); larger M
+  (prefill) `F.linear`;
 - M = 1: x @ W^T on a transposed copy for layers with out_features > in_features, `F.linear` for
   the others.
 The results differ from `F.linear`'s by float32 summation order only (~1e-6 relative), as MKL's
@@ -38,6 +40,11 @@ from torch import nn
 
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
 PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
+# oneDNN compiles and caches a primitive per input shape, ~0.6 MiB each: fed every row count a
+# prefill produces, a process grew by 474 MiB over 800 shapes. Packed products therefore take
+# these row counts only, the rows padded up to the next (fixed shapes, as a CUDA graph would);
+# larger products (prefill, where oneDNN measured no faster than MKL) run `F.linear`.
+ROW_BUCKETS: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _ATTR = "_raysd_linears"
 
 
@@ -84,12 +91,18 @@ class _Packed:
         return (w.data_ptr(), w._version) != self.version or (module.bias is None) != (self.bias is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
-        if x.numel() == x.shape[-1]:  # one row: a matrix-vector product
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:  # a matrix-vector product
             if self.transposed is None:
                 return F.linear(x, self.weight, self.bias)
             y = x @ self.transposed
             return y if self.bias is None else y + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if rows > ROW_BUCKETS[-1]:
+            return F.linear(x, self.weight, self.bias)
+        bucket = next(b for b in ROW_BUCKETS if b >= rows)
+        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, bucket - rows))  # (bucket, K): zero rows below
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")[:rows]  # (rows, N)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinears:

@@ -13,7 +13,7 @@ from raysd.core.sampling import SamplingParams
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import Request
-from raysd.models.linear import model_linears, use_packed
+from raysd.models.linear import ROW_BUCKETS, model_linears, use_packed
 from raysd.models.runner import ModelRunner
 from raysd.models.static_runner import StaticModelRunner
 from tests.conftest import EOS, tiny_model
@@ -41,6 +41,21 @@ def test_packed_forward_equals_linear(out_features, bias, shape):
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert _switched(layer) == [False]
+
+
+def test_every_row_count_pads_to_a_bucket_or_runs_stock_with_the_same_results():
+    """oneDNN caches a compiled primitive per shape (~0.6 MiB each): packed products see only the
+    row counts of ROW_BUCKETS, the rows zero-padded up to the next; beyond the last, F.linear."""
+    g = torch.Generator().manual_seed(9)
+    layer = nn.Linear(32, 48)
+    seen = set()
+    with torch.inference_mode(), model_linears(layer).active():
+        for rows in [*range(1, 20), 47, 48, 49, ROW_BUCKETS[-1], ROW_BUCKETS[-1] + 1, 300]:
+            x = torch.randn(1, rows, 32, generator=g)  # (1, rows, K): the runners' 3-D activations
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            if 2 <= rows <= ROW_BUCKETS[-1]:
+                seen.add(next(b for b in ROW_BUCKETS if b >= rows))
+    assert seen <= set(ROW_BUCKETS) and ROW_BUCKETS == tuple(sorted(ROW_BUCKETS))
 
 
 def test_switch_is_undone_on_error_and_never_applies_with_autograd():
