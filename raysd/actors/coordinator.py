@@ -108,8 +108,11 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens, self.adaptive is not None,
+        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens,
                           parse_acceptance(self.acceptance) is not None)
+        if self.adaptive is not None and self.adaptive.costs.k_max < max(self.num_speculative_tokens, self.tree_budget):
+            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens "
+                             f"({self.num_speculative_tokens}) or tree_budget ({self.tree_budget})")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.max_steps_per_call < 1:
@@ -271,7 +274,7 @@ class SpecCoordinator:
         if adaptive is None:
             return None
         if self._k_controller is None or self._k_controller.config is not adaptive:
-            self._k_controller = KController(adaptive)
+            self._k_controller = KController(adaptive, self.config.tree_budget, self.config.num_speculative_tokens)
         return self._k_controller
 
     def _actor(self, cls, bundle_index: int, resources: ActorResources, **options):
@@ -421,23 +424,24 @@ class SpecCoordinator:
             mb.rows.append(item)
             mb.new.append(item)
 
-    def _choose_k(self, mb: _MicroBatch) -> int:
-        """The step's K: the controller's choice from the rows' evidence (as SpecEngine.step), or K."""
+    def _choose_plan(self, mb: _MicroBatch) -> tuple[int, int]:
+        """The step's K and tree budget: the controller's choice from the rows' evidence (as
+        SpecEngine.step), or the configured ones."""
         if self.k_controller is None:
-            return self.config.num_speculative_tokens
+            return self.config.num_speculative_tokens, self.config.tree_budget
         n = len(mb.new)
         room = mb.room + [self.limits.first_room(req) for _, req in mb.new]
-        return self.k_controller.choose_k_from(mb.overlap_sum + [0.0] * n, mb.tested + [0] * n, room)
+        return self.k_controller.choose_plan_from(mb.overlap_sum + [0.0] * n, mb.tested + [0] * n, room)
 
     def _skips_draft(self, k: int) -> bool:
-        """A step that drafts nothing (plain decoding, or adaptive K chose 0) goes straight to the
-        target rather than after a round trip through the draft actor, which gets the update with
-        its next call. Not for a feature draft (it follows the target's features every step) or a
-        tree (its shape is drafted whatever K)."""
-        return k == 0 and not self.draft_info.feature_draft and not self.config.tree_budget
+        """A step that drafts nothing (plain decoding, or adaptive K chose 0, never with a tree)
+        goes straight to the target rather than after a round trip through the draft actor, which
+        gets the update with its next call. Not for a feature draft (it follows the target's
+        features every step)."""
+        return k == 0 and not self.draft_info.feature_draft
 
     def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:
-        k = self._choose_k(mb)
+        k, tree = self._choose_plan(mb)
         limits = self.limits if mb.fresh else None
         new = tuple(mb.new)
         last = mb.last
@@ -460,14 +464,14 @@ class SpecCoordinator:
         else:
             propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
             features = mb.features if last is not None else None
-            proposal_ref, meta_ref = propose.remote(mb.mb_id, tuple(mb.backlog), k, features)
+            proposal_ref, meta_ref = propose.remote(mb.mb_id, tuple(mb.backlog), k, features, tree)
             mb.backlog = []
         verify = self.target.verify.options(num_returns=2, enable_task_events=False)
         if self.colocated:  # several steps per call, each choosing its K in the actor
             verify_ref, mb.features = verify.remote(mb.mb_id, target_update, None, k, self.config.max_steps_per_call,
-                                                    self.k_controller)
+                                                    self.k_controller, tree)
         else:
-            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k)
+            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k, tree_budget=tree)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         measure = self.config.measure_bytes
         draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure and meta_ref is not None else 0
@@ -482,6 +486,7 @@ class SpecCoordinator:
             report.generated_tokens += len(finished.token_ids)
         if self.k_controller is not None:
             self.k_controller.observe_all(out.step_overlap, out.step_tested)
+            self.k_controller.observe_ranks(out.rank_offered, out.rank_moved)
         if out.keep is not None:
             mb.rows = [mb.rows[k] for k in out.keep]
         mb.last = out

@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from raysd.core.tree_shape import RANK_PRIOR
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import parse_acceptance
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
@@ -257,12 +259,14 @@ class DraftActor:
             self.store.apply(mb, update)
 
     def propose(self, mb: int, updates: Sequence[MicroBatchUpdate], k: int,
-                features: tuple[torch.Tensor, ...] | None = None) -> tuple[WireProposal, DraftMeta]:
+                features: tuple[torch.Tensor, ...] | None = None,
+                tree_budget: int | None = None) -> tuple[WireProposal, DraftMeta]:
         """Apply the updates in order (the last with, for a feature draft, the target's features of
-        its last step, straight from the target actor), then propose up to min(k, room) drafts per row."""
+        its last step, straight from the target actor), then propose up to min(k, room) drafts per
+        row, or the tree of `tree_budget` (DraftSide.propose)."""
         start = time.perf_counter()
         self.apply(mb, updates[:-1])
-        proposal = self.store.apply(mb, updates[-1], features).propose(k)
+        proposal = self.store.apply(mb, updates[-1], features).propose(k, tree_budget)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         busy = time.perf_counter() - start
         B, K, V = proposal.draft_probs.shape
@@ -297,26 +301,31 @@ class TargetActor:
             out.append(time_forward_upto(self.model, B, k_max, context, reps, self.runner))
         return out
 
-    def _steps(self, local: DraftSide, side: TargetSide, k: int, max_steps: int, controller: KController | None,
-               start: float) -> VerifyResult:
+    def _steps(self, local: DraftSide, side: TargetSide, k: int, tree: int | None, max_steps: int,
+               controller: KController | None, start: float) -> VerifyResult:
         """SpecEngine.step's three calls (propose, verify, the drafter follows), up to max_steps times."""
         draft_s, drafted, steps, overlap, tested = 0.0, 0, 0, 0.0, 0
+        ranks = np.zeros((2, len(RANK_PRIOR)), dtype=np.int64)  # the trees' walks by rank, summed
         while True:
             if controller is not None:
                 batch = side.batch
-                k = controller.choose_k_from(batch.overlap_sum, batch.tested, batch.room())
+                k, tree = controller.choose_plan_from(batch.overlap_sum, batch.tested, batch.room())
             t0 = time.perf_counter()
-            proposal = local.propose(k)
+            proposal = local.propose(k, tree)
             if k > 0:  # K = 0: an empty proposal, no drafting
                 draft_s, drafted = draft_s + time.perf_counter() - t0, drafted + 1
-            outcome = side.verify(proposal, k)
+            outcome = side.verify(proposal, k, tree)
             local.commit(outcome.kept, outcome.accepted, outcome.keep, None, outcome.path)
             if controller is not None:
                 controller.observe_all(outcome.step_overlap, outcome.step_tested)
+                controller.observe_ranks(outcome.rank_offered, outcome.rank_moved)
+            for row, counts in zip(ranks, (outcome.rank_offered, outcome.rank_moved)):
+                row[: len(counts)] += np.asarray(counts, dtype=np.int64)
             steps, overlap, tested = steps + 1, overlap + outcome.step_overlap, tested + outcome.step_tested
             if outcome.finished or steps == max_steps:
                 break
-        outcome = dataclasses.replace(outcome, step_overlap=overlap, step_tested=tested)
+        outcome = dataclasses.replace(outcome, step_overlap=overlap, step_tested=tested,
+                                      rank_offered=tuple(ranks[0].tolist()), rank_moved=tuple(ranks[1].tolist()))
         return VerifyResult(outcome, time.perf_counter() - start, 0, draft_s, drafted, steps)
 
     def info(self) -> ActorInfo:
@@ -327,7 +336,8 @@ class TargetActor:
         return self.vocab_size
 
     def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal | None, k: int, max_steps: int = 1,
-               controller: KController | None = None) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
+               controller: KController | None = None,
+               tree_budget: int | None = None) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
         """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
         returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
         features, which go to the draft actor's next call without passing through the coordinator.
@@ -338,17 +348,18 @@ class TargetActor:
         first that retires a row: until a row finishes no slot frees, so the coordinator has
         nothing to admit and one call saves the others' round trips. `controller` (adaptive K)
         then chooses each step's K here, from the rows' evidence as SpecEngine.step does, and
-        learns from each step as the coordinator's own would; the outcome sums the evidence."""
+        learns from each step as the coordinator's own would; the outcome sums the evidence.
+        `tree_budget`: the step's tree (DraftSide.propose), or the controller's choice each step."""
         start = time.perf_counter()
         side = self.store.apply(mb, update)
         if self.drafts is not None:
-            return self._steps(self.drafts.apply(mb, update), side, k, max_steps, controller, start), None
+            return self._steps(self.drafts.apply(mb, update), side, k, tree_budget, max_steps, controller, start), None
         assert max_steps == 1 and controller is None, "several steps per call need the drafter in this actor"
         if wire is None:
             proposal = Proposal.empty(len(side), self.vocab_size, self.device)
         else:
             proposal = decode_proposal(wire, self.device)
-        outcome = side.verify(proposal, k)
+        outcome = side.verify(proposal, k, tree_budget)
         features = None
         if outcome.features is not None:  # to the host in one copy: they travel through the object store
             sizes = [len(f) for f in outcome.features]

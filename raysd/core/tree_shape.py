@@ -25,8 +25,12 @@ Nodes are numbered breadth first (by depth, then by their rank paths), so
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 # Assumed acceptance of a node's r-th child, r = 0 the sampled one. Any decreasing
 # sequence in (0, 1] gives a valid tree; this one makes the chain win until the tree is
@@ -66,6 +70,7 @@ class TreeShape:
         return tuple(first)
 
 
+@functools.lru_cache(maxsize=256)  # pure, and asked for every step by both sides of an adaptive plan
 def tree_shape(budget: int, max_depth: int, prior: tuple[float, ...] = RANK_PRIOR) -> TreeShape:
     """The `budget` nodes of largest prior value at most `max_depth` deep (see the module
     docstring), numbered breadth first. Ties go to the lexicographically smaller rank path."""
@@ -90,3 +95,36 @@ def tree_shape(budget: int, max_depth: int, prior: tuple[float, ...] = RANK_PRIO
         ranks=tuple(p[-1] for p in chosen),
         depths=tuple(len(p) for p in chosen),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _children(shape: TreeShape) -> tuple[tuple[int, ...], ...]:
+    """[N + 1]: the children of the root (entry 0) and of node i (entry i + 1), in rank order."""
+    kids: list[list[int]] = [[] for _ in range(shape.num_nodes + 1)]
+    for i, parent in enumerate(shape.parents):
+        kids[parent + 1].append(i)
+    return tuple(map(tuple, kids))
+
+
+def rank_visits(shape: TreeShape, num_nodes: Sequence[int], paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Where verification walked, counted by rank: the evidence for the adaptive controller's
+    per-rank acceptance (raysd.engine.adaptive.KController.rank_rates).
+
+    Row b verified the first `num_nodes[b]` nodes of `shape` and its walk went through the nodes
+    `paths[b]` (root first; TreeOutput.accepted_nodes). At every node the walk stood on, the root
+    included, each child it had among the row's nodes counts once in `offered[rank]`, and the
+    child the walk moved to (if any) once in `moved[rank]`. moved[r] / offered[r] estimates the
+    chance that the walk moves from a node to its rank-r child, which is a node's value in the
+    module docstring's best-first search with the prior replaced by measurements.
+    Returns ([R], [R]) int64, R = the shape's largest rank + 1."""
+    R = max(shape.ranks, default=0) + 1
+    offered, moved = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    children = _children(shape)
+    for n, path in zip(num_nodes, paths):
+        for at, node in enumerate((-1, *path)):
+            for child in children[node + 1]:
+                if child < n:
+                    offered[shape.ranks[child]] += 1
+            if at < len(path):
+                moved[shape.ranks[path[at]]] += 1
+    return offered, moved

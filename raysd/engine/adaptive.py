@@ -16,16 +16,35 @@ is its running alpha_estimate shrunk towards a prior by pseudo-counts, so a new 
 starts at the prior and its own history takes over as it accumulates. The prior is itself
 learned (KController): the acceptance pooled over every row served so far, starting
 from AdaptiveConfig.prior_alpha.
+
+With a tree budget P the controller also weighs draft trees (`choose_plan_from`): the shapes
+tree_shape(P', K) for P' = 2, 4, 8, .. up to P, each cut at any depth k <= K, against the
+chains k = 0..K, by the same goodput. A tree's expected tokens per step is one plus the sum over
+its nodes of the chance the walk reaches them,
+
+    E = 1 + sum_nodes prod_{ranks r on the node's path} m_r,   m_0 = alpha_b, m_r = rank_rates()[r]
+
+where m_r is the measured chance that verification moves from a node to its rank-r child
+(raysd.core.tree_shape.rank_visits, pooled over the rows; RANK_PRIOR before any evidence).
+With only rank-0 nodes this is Leviathan et al.'s E(alpha, k) above, so a chain and a tree are
+compared on one scale: the tree is drafted only when its expected tokens pay for its wider
+verify, T_target(B, N + 1) for N nodes, and its wider draft levels. Sequoia (Chen et al. 2024,
+arXiv 2402.12374, section 3.1) chooses its tree from the same positional acceptance rates, once
+and offline; here the choice is made each step from rates measured on the run.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from raysd.core.stats import SpecDecodeStats
 from raysd.core.theory import expected_tokens_per_step
+from raysd.core.tree_shape import RANK_PRIOR, TreeShape, tree_shape
 from raysd.models.profile import time_forward, time_forward_upto
 
 
@@ -90,31 +109,101 @@ class KController:
     the pool's estimate, not from the fixed prior: a weak drafter is switched off once, rather
     than rediscovered by every new request at the cost of a few slow steps each. A row's own
     evidence then moves it away from the pool. A row never offered K > 0 gathers no evidence,
-    so once the pool is pessimistic, rows that would do better than it are not found."""
+    so once the pool is pessimistic, rows that would do better than it are not found.
 
-    def __init__(self, config: AdaptiveConfig):
+    `tree_budget` P > 0 (with `depth` K, the trees' depth limit) adds draft trees to the choice:
+    `choose_plan_from` returns (k, P') with P' = 0 for a chain of k drafts, or P' > 0 for the
+    tree tree_shape(P', K) cut at depth k (module docstring)."""
+
+    def __init__(self, config: AdaptiveConfig, tree_budget: int = 0, depth: int = 0):
+        if tree_budget and (depth < 1 or config.costs.k_max < tree_budget):
+            raise ValueError(f"a tree budget needs depth >= 1 and step costs up to K = {tree_budget}, "
+                             f"got depth {depth} and costs up to {config.costs.k_max}")
         self.config = config
         self.overlap_sum = 0.0
         self.num_tested_positions = 0
+        self.trees = [_TreeCandidate(P, tree_shape(P, depth)) for P in tree_budgets(tree_budget)]
+        R = len(RANK_PRIOR)
+        self.rank_offered = np.zeros(R, dtype=np.int64)  # rank_visits, summed over every tree step
+        self.rank_moved = np.zeros(R, dtype=np.int64)
+        self.chosen: Counter[tuple[int, int]] = Counter()  # steps per (k, tree budget) chosen
 
     @property
     def prior(self) -> float:
         c = self.config
         return (self.overlap_sum + c.prior_alpha * c.prior_weight) / (self.num_tested_positions + c.prior_weight)
 
+    def rank_rates(self) -> np.ndarray:
+        """[R] m_r: the chance that verification moves from a node to its rank-r child, for
+        r >= 1 (entry 0 is unused: a row's own alpha stands for it), shrunk towards RANK_PRIOR."""
+        w = self.config.prior_weight
+        return (self.rank_moved + np.asarray(RANK_PRIOR) * w) / (self.rank_offered + w)
+
     def choose_k(self, stats: Sequence[SpecDecodeStats], budgets: Sequence[int]) -> int:
         return self.choose_k_from([s.overlap_sum for s in stats], [s.num_tested_positions for s in stats], budgets)
 
     def choose_k_from(self, overlap_sums: Sequence[float], tested: Sequence[int], budgets: Sequence[int]) -> int:
         """choose_k from the rows' statistics as arrays (the engine's Batch)."""
+        return choose_k(self._alphas(overlap_sums, tested), budgets, self.config)
+
+    def choose_plan_from(self, overlap_sums: Sequence[float], tested: Sequence[int],
+                         budgets: Sequence[int]) -> tuple[int, int]:
+        """(k, tree budget) of the step with the best expected goodput: (k, 0) a chain of k drafts
+        (k = 0: plain decoding), (k, P) the tree of budget P cut at depth k. A tree must beat the
+        best chain strictly, so with no tree budget this is (choose_k_from, 0)."""
+        alphas = self._alphas(overlap_sums, tested)
+        plan = (choose_k(alphas, budgets, self.config), 0)
+        if self.trees and len(alphas):
+            best = self.goodput(alphas, budgets, *plan)
+            a, caps, rates = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0), np.asarray(budgets), self.rank_rates()
+            for tree in self.trees:
+                for k, goodput in self._tree_goodputs(tree, a, caps, rates):
+                    if goodput > best:
+                        plan, best = (k, tree.budget), goodput
+        self.chosen[plan] += 1
+        return plan
+
+    def goodput(self, alphas: Sequence[float], budgets: Sequence[int], k: int, tree_budget: int = 0) -> float:
+        """Expected tokens per second of a step: a chain of k drafts, or the tree of `tree_budget`
+        (one of `tree_budgets(P)`) cut at depth k; rows capped by their budgets (room)."""
+        B, costs, overlapped = len(alphas), self.config.costs, self.config.overlapped
+        if not tree_budget:
+            tokens = sum(expected_tokens_per_step(min(max(a, 0.0), 1.0), min(k, cap)) for a, cap in zip(alphas, budgets))
+            return tokens / step_seconds(costs, B, k, overlapped)
+        tree = next(t for t in self.trees if t.budget == tree_budget)
+        a, caps = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0), np.minimum(np.asarray(budgets), k)
+        return dict(self._tree_goodputs(tree, a, caps, self.rank_rates()))[min(k, tree.depth, max(budgets))]
+
+    def _tree_goodputs(self, tree: _TreeCandidate, alphas: np.ndarray, caps: np.ndarray,
+                       rates: np.ndarray) -> list[tuple[int, float]]:
+        """(k, goodput) of the tree cut at each depth k up to the rows' largest cap that adds a
+        node off the rank-0 chain (a cut with the chain's nodes only is a chain candidate)."""
+        B, costs, overlapped = len(alphas), self.config.costs, self.config.overlapped
+        reach = tree.reach(alphas, rates)  # [B, D]
+        D = reach.shape[1]
+        per_depth = np.where(np.arange(D)[None, :] < caps[:, None], reach, 0.0).sum(axis=0)  # [D]
+        tokens = B + np.cumsum(per_depth)  # [D]: tokens with the tree cut at depth k = index + 1
+        out = []
+        for k in range(1, min(D, int(caps.max(initial=0))) + 1):
+            n = tree.shape.nodes_within(k)
+            if n > k:
+                out.append((k, float(tokens[k - 1]) / tree_step_seconds(costs, B, tree.shape, n, overlapped)))
+        return out
+
+    def _alphas(self, overlap_sums: Sequence[float], tested: Sequence[int]) -> list[float]:
         prior, w = self.prior, self.config.prior_weight
-        alphas = [(o + prior * w) / (n + w) for o, n in zip(overlap_sums, tested)]
-        return choose_k(alphas, budgets, self.config)
+        return [(o + prior * w) / (n + w) for o, n in zip(overlap_sums, tested)]
 
     def observe_all(self, overlap_sum: float, tested: int) -> None:
         """Several rows' tested positions at once."""
         self.overlap_sum += float(overlap_sum)
         self.num_tested_positions += int(tested)
+
+    def observe_ranks(self, offered: Sequence[int], moved: Sequence[int]) -> None:
+        """A tree step's walk, counted by rank (raysd.core.tree_shape.rank_visits)."""
+        # New arrays, not in place: a controller sent to an actor arrives with read-only arrays.
+        self.rank_offered = self.rank_offered + _by_rank(offered, len(self.rank_offered))
+        self.rank_moved = self.rank_moved + _by_rank(moved, len(self.rank_moved))
 
     def observe(self, overlaps: Sequence[float]) -> None:
         """One row's tested positions in one step."""
@@ -122,9 +211,61 @@ class KController:
         self.num_tested_positions += len(overlaps)
 
 
+def _by_rank(counts: Sequence[int], R: int) -> np.ndarray:
+    """[R] int64: counts by rank, cut or zero-padded to R ranks."""
+    out = np.zeros(R, dtype=np.int64)
+    n = min(len(counts), R)
+    out[:n] = np.asarray(counts, dtype=np.int64)[:n]
+    return out
+
+
+def tree_budgets(tree_budget: int) -> tuple[int, ...]:
+    """The tree budgets a controller with budget P weighs: 2, 4, 8, .. below P, and P."""
+    if tree_budget < 2:
+        return (tree_budget,) if tree_budget else ()
+    return tuple(sorted({2**i for i in range(1, tree_budget.bit_length()) if 2**i < tree_budget} | {tree_budget}))
+
+
+class _TreeCandidate:
+    """One tree shape, with each node's path counted by rank for `reach`."""
+
+    def __init__(self, budget: int, shape: TreeShape):
+        self.budget, self.shape = budget, shape
+        self.depth = max(shape.depths)
+        R = len(RANK_PRIOR)
+        counts = np.zeros((shape.num_nodes, R), dtype=np.int64)  # [N, R] ranks on node i's path
+        for i, (parent, rank) in enumerate(zip(shape.parents, shape.ranks)):
+            if parent >= 0:
+                counts[i] = counts[parent]
+            counts[i, rank] += 1
+        self.rank0 = counts[:, 0]  # [N]
+        self.other = counts[:, 1:]  # [N, R - 1]
+        self.at_depth = np.asarray(shape.depths)[None, :] == np.arange(1, self.depth + 1)[:, None]  # [D, N]
+
+    def reach(self, alphas: np.ndarray, rates: np.ndarray) -> np.ndarray:
+        """[B, D]: per row, the expected number of nodes at each depth that verification accepts."""
+        branch = np.prod(rates[1:][None, :] ** self.other, axis=1)  # [N] the rank >= 1 steps' factor
+        value = alphas[:, None] ** self.rank0[None, :] * branch[None, :]  # [B, N]
+        return value @ self.at_depth.T  # [B, D]
+
+
 def step_seconds(costs: StepCosts, batch_size: int, k: int, overlapped: bool) -> float:
     t_target = costs.target(batch_size, k)
     t_draft = k * costs.draft(batch_size)
+    return max(t_target, t_draft) if overlapped else t_target + t_draft
+
+
+def tree_step_seconds(costs: StepCosts, batch_size: int, shape: TreeShape, num_nodes: int, overlapped: bool) -> float:
+    """A tree step of the first `num_nodes` nodes of `shape`: one target pass over N + 1 tokens
+    per row, and one draft forward per level but the deepest (DraftModelDrafter.propose_tree),
+    the first over the pending tokens, each later one over the level above's nodes. A draft
+    forward over w tokens is costed as one over 1 scaled as the target's (the profile times the
+    target's widths only)."""
+    B = batch_size
+    t_target = costs.target(B, num_nodes)
+    levels = shape.levels(num_nodes)
+    one = costs.target(B, 0)
+    t_draft = costs.draft(B) * (1 + sum(costs.target(B, e - s - 1) / one for s, e in levels[:-1]))
     return max(t_target, t_draft) if overlapped else t_target + t_draft
 
 

@@ -47,14 +47,15 @@ class EngineConfig:
     acceptance: str = "exact"
     # P > 0: each step drafts a tree of at most P nodes per row, at most num_speculative_tokens
     # deep, verified in one target pass (raysd.core.tree_shape, docs/trees.md); it needs the
-    # static runner and a draft-model (or n-gram) drafter. 0 (default): a chain of K drafts.
+    # static runner and a draft-model (or n-gram) drafter. With `adaptive`, P is the largest
+    # tree weighed: each step drafts the chain or tree of best expected goodput. 0: chains only.
     tree_budget: int = 0
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
         check_linear_kernels(self.linear_kernels)
         relax = parse_acceptance(self.acceptance)
-        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens, self.adaptive is not None,
+        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens,
                           relax is not None or self.synthetic_acceptance_rate is not None)
         if relax is not None and self.synthetic_acceptance_rate is not None:
             raise ValueError("synthetic_acceptance_rate and a relaxed acceptance cannot be combined")
@@ -67,12 +68,14 @@ class EngineConfig:
         rate = self.synthetic_acceptance_rate
         if rate is not None and (isinstance(rate, bool) or not 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_acceptance_rate must be None or in [0, 1], got {rate!r}")
-        if self.adaptive is not None and self.adaptive.costs.k_max < self.num_speculative_tokens:
-            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens")
+        if self.adaptive is not None and self.adaptive.costs.k_max < max(self.num_speculative_tokens, self.tree_budget):
+            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens "
+                             f"({self.num_speculative_tokens}) or tree_budget ({self.tree_budget}): a tree of P nodes "
+                             "needs T_target(B, P + 1)")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 
-def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int, adaptive: bool, inexact: bool) -> None:
+def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int, inexact: bool) -> None:
     """What a tree refuses, in one line each (EngineConfig, CoordinatorConfig); the drafter and the
     models' runners are checked once they exist (tree_support_error)."""
     P = tree_budget
@@ -84,8 +87,6 @@ def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int
         raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
     if num_speculative_tokens < 1:
         raise ValueError("tree drafting needs num_speculative_tokens >= 1 (the tree's depth)")
-    if adaptive:
-        raise ValueError("tree drafting does not choose K per step yet: use a fixed K (no adaptive) with tree_budget > 0")
     if inexact:
         raise ValueError("tree drafting verifies exactly: use acceptance='exact' and no synthetic_acceptance_rate")
 
@@ -153,7 +154,8 @@ class SpecEngine:
             limits.append(drafter.model.config.max_position_embeddings)
         self.max_model_len = min(limits)
         self.timings = EngineTimings()
-        self.k_controller = KController(config.adaptive) if config.adaptive is not None else None
+        self.k_controller = None if config.adaptive is None else KController(
+            config.adaptive, config.tree_budget, config.num_speculative_tokens)
         self.relax = parse_acceptance(config.acceptance)
         if self.relax is not None:
             warnings.warn(
@@ -209,21 +211,22 @@ class SpecEngine:
         return [results[i] for i in range(len(requests))]
 
     def step(self) -> StepOutcome:
-        """One speculative step for every row: K for the batch, propose, verify (one read-back),
-        and the draft side follows the target's decision."""
-        k = self.config.num_speculative_tokens
+        """One speculative step for every row: K (and the tree) for the batch, propose, verify (one
+        read-back), and the draft side follows the target's decision."""
+        k, tree = self.config.num_speculative_tokens, self.config.tree_budget
         batch = self.target_side.batch
         if self.k_controller is not None:
-            k = self.k_controller.choose_k_from(batch.overlap_sum, batch.tested, batch.room())
+            k, tree = self.k_controller.choose_plan_from(batch.overlap_sum, batch.tested, batch.room())
         t0, deferred = time.perf_counter(), self.draft_side.deferred_prefill_s
-        proposal = self.draft_side.propose(k)
+        proposal = self.draft_side.propose(k, tree)
         t1 = time.perf_counter()
         deferred = self.draft_side.deferred_prefill_s - deferred  # a cold drafter's prompts: prefill, not drafting
-        outcome = self.target_side.verify(proposal, k)
+        outcome = self.target_side.verify(proposal, k, tree)
         t2 = time.perf_counter()
         self.draft_side.commit(outcome.kept, outcome.accepted, outcome.keep, outcome.features, outcome.path)
         if self.k_controller is not None:
             self.k_controller.observe_all(outcome.step_overlap, outcome.step_tested)
+            self.k_controller.observe_ranks(outcome.rank_offered, outcome.rank_moved)
         self.timings.prefill_s += deferred
         self.timings.draft_s += t1 - t0 - deferred
         self.timings.target_s += t2 - t1

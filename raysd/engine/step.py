@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from raysd.core.sampling import SamplingTensors
-from raysd.core.tree_shape import TreeShape, tree_shape
+from raysd.core.tree_shape import TreeShape, rank_visits, tree_shape
 from raysd.engine.batch import Batch
 from raysd.engine.drafters import Drafter, Proposal
 from raysd.engine.rows import GenerationResult, Request, fill_holes, step_uniforms
@@ -50,9 +50,11 @@ class RowLimits:
             raise ValueError(f"need tree_budget >= 0, and num_speculative_tokens >= 1 for a tree, got {self}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
-    def tree(self) -> TreeShape | None:
-        """The draft tree both sides grow each step, or None for a chain."""
-        return tree_shape(self.tree_budget, self.num_speculative_tokens) if self.tree_budget else None
+    def tree(self, tree_budget: int | None = None) -> TreeShape | None:
+        """The draft tree both sides grow in a step with this budget (default: the configured one;
+        an adaptive controller chooses one per step), or None for a chain."""
+        P = self.tree_budget if tree_budget is None else tree_budget
+        return tree_shape(P, self.num_speculative_tokens) if P else None
 
     def batch(self) -> Batch:
         return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids, self.feature_draft)
@@ -84,6 +86,9 @@ class StepOutcome:
     features: tuple[torch.Tensor, ...] | None = None
     # For a tree: the nodes each row's accepted path went through (the draft keeps that branch); else None.
     path: tuple[tuple[int, ...], ...] | None = None
+    # For a tree: the walk counted by rank over the rows (rank_visits; KController.observe_ranks); else ().
+    rank_offered: tuple[int, ...] = ()
+    rank_moved: tuple[int, ...] = ()
 
 
 class DraftSide:
@@ -97,7 +102,6 @@ class DraftSide:
     def __init__(self, drafter: Drafter, limits: RowLimits, device: torch.device | str):
         self.drafter, self.limits, self.device = drafter, limits, torch.device(device)
         self.batch = limits.batch()  # seeds, budgets and tokens generated; its statistics stay unused
-        self.tree = limits.tree()
         # Each row's tokens while the drafter holds none; None once warm (a feature draft is never
         # cold: it follows the target's features from a row's first step).
         self.cold: list[list[int]] | None = None if drafter.needs_features else []
@@ -116,9 +120,10 @@ class DraftSide:
         self.batch.add(items)
         self._sampling = None
 
-    def propose(self, k: int) -> Proposal:
+    def propose(self, k: int, tree_budget: int | None = None) -> Proposal:
         """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws; with a
-        tree, its nodes at most min(k, room) deep (DraftModelDrafter.propose_tree)."""
+        tree (`tree_budget` > 0, default RowLimits.tree_budget), its nodes at most min(k, room)
+        deep (DraftModelDrafter.propose_tree)."""
         K = self.limits.num_speculative_tokens
         offered = np.minimum(self.batch.room(), k)  # [B]
         if self.cold is not None:
@@ -130,10 +135,11 @@ class DraftSide:
             self.deferred_prefill_s += time.perf_counter() - t0
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
-        if self.tree is not None:
-            N = self.tree.num_nodes
+        tree = self.limits.tree(tree_budget)
+        if tree is not None:
+            N = tree.num_nodes
             uniforms = step_uniforms(self.batch.seeds, self.batch.generated, N, self.device)[:, :N]  # [B, N]
-            return self.drafter.propose_tree(self.tree, offered.tolist(), self._sampling, uniforms)
+            return self.drafter.propose_tree(tree, offered.tolist(), self._sampling, uniforms)
         uniforms = step_uniforms(self.batch.seeds, self.batch.generated, K, self.device)[:, :K]  # [B, K]
         return self.drafter.propose(offered.tolist(), self._sampling, uniforms)
 
@@ -175,7 +181,6 @@ class TargetSide:
         self.verifier, self.limits = verifier, limits
         self.synthetic_rate, self.relax, self.acceptance = synthetic_rate, relax, acceptance
         self.batch = limits.batch()
-        self.tree = limits.tree()
         self._sampling: SamplingTensors | None = None
         # Feature draft only: each row's prompt features, until its first outcome carries them.
         self._prompt_features: list[torch.Tensor | None] | None = [] if verifier.tap is not None else None
@@ -194,37 +199,42 @@ class TargetSide:
         self.batch.add(items)
         self._sampling = None
 
-    def verify(self, proposal: Proposal, k: int) -> StepOutcome:
-        """One target pass over every row's drafts, the rejection test, one read-back; emit up to
-        each row's stop condition, roll the cache back to what was kept, retire finished rows."""
+    def verify(self, proposal: Proposal, k: int, tree_budget: int | None = None) -> StepOutcome:
+        """One target pass over every row's drafts (or tree: `tree_budget` as DraftSide.propose),
+        the rejection test, one read-back; emit up to each row's stop condition, roll the cache
+        back to what was kept, retire finished rows."""
         batch = self.batch
         offered = np.minimum(batch.room(), k)  # [B] what the draft side was allowed (statistics)
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(batch.params, self.device)
-        verdict = self._verdict(proposal)
+        tree = self.limits.tree(tree_budget)
+        verdict = self._verdict(proposal, tree)
         kept = batch.emit(verdict, offered)
         accepted = verdict.num_accepted.tolist()
         features = self._features(accepted)
         path = verdict.paths()
+        ranks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         if path is None:
             self.verifier.commit(kept, accepted)
         else:
             self.verifier.commit_path(kept, path)
+            offered_r, moved_r = rank_visits(tree, verdict.num_drafted.tolist(), path)
+            ranks = (tuple(offered_r.tolist()), tuple(moved_r.tolist()))
         finished, keep = self._retire()
         return StepOutcome(
             tuple(map(tuple, kept)), tuple(accepted), keep, finished,
             tuple(batch.overlap_sum.tolist()), tuple(batch.tested.tolist()), tuple(batch.room().tolist()),
             float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()), features,
-            None if path is None else tuple(map(tuple, path)),
+            None if path is None else tuple(map(tuple, path)), *ranks,
         )
 
-    def _verdict(self, proposal: Proposal) -> Verdict:
+    def _verdict(self, proposal: Proposal, tree: TreeShape | None) -> Verdict:
         """The target pass and the rejection test of a chain (or a tree), read back in one copy."""
         batch = self.batch
-        if self.tree is not None:
-            N, n = self.tree.num_nodes, proposal.draft_token_ids.shape[1]
+        if tree is not None:
+            N, n = tree.num_nodes, proposal.draft_token_ids.shape[1]
             uniforms = step_uniforms(batch.seeds, batch.generated, N, self.device)  # [B, 2N + 1]
-            return self.verifier.verify_tree(proposal, self.tree, self._sampling, uniforms[:, N : N + n],
+            return self.verifier.verify_tree(proposal, tree, self._sampling, uniforms[:, N : N + n],
                                              uniforms[:, 2 * N]).read_back()
         K = self.limits.num_speculative_tokens
         if verifies_by_argmax(self._sampling, self.synthetic_rate, self.relax):

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=None,
                    help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
                         "and step costs profiled at start-up (cached per models and machine); steps with K = 0 "
-                        "skip the drafter (default: auto; with --tree-budget: 4, the tree's depth)")
+                        "skip the drafter; with --tree-budget, the tree's depth limit (default: auto)")
     m.add_argument("--acceptance", default="exact",
                    help="'exact' (outputs follow the target's distribution), or 'relaxed:LAMBDA' with LAMBDA in [0, 1]: "
                         "verify against (1 - LAMBDA) target + LAMBDA draft, LOSSY (total variation LAMBDA x TV(target, "
@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tree-budget", type=int, default=0,
                    help="P > 0: each step drafts a tree of at most P nodes per row, at most K deep, verified in one "
                         "target pass, exactly (a draft model on the static runner, or ngram's several matches; Llama-family "
-                        "target; docs/trees.md); "
-                        "0: a chain of K drafts (default: 0)")
+                        "target; docs/trees.md); with -k auto, the largest tree weighed: each step drafts the chain or "
+                        "tree (budgets 2, 4, .. up to P, cut at any depth) of best expected goodput from the measured "
+                        "acceptance by rank and step costs; 0: a chain of K drafts (default: 0)")
     m.add_argument("--draft-assist", default="none", choices=("none", "ngram"),
                    help="'ngram': n-gram prompt lookup drafts for the draft model, which verifies exactly, so the "
                         "target still sees the draft model's law (three levels; inner K chosen by goodput, 0 = two "

@@ -14,9 +14,9 @@ AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # K when --num-speculative-tokens is not given: chosen each step, so a drafter that does not pay
 # (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/benchmarks.md,
-# Benchmark 7); a tree's depth must be fixed, and is TREE_DEFAULT_DEPTH.
+# Benchmark 7). With --tree-budget P the same: each step drafts the chain or tree (of at most P
+# nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
-TREE_DEFAULT_DEPTH = 4
 DEFAULT_MAX_NEW_TOKENS = 64
 # Where a replica's draft and target actors go (Ray placement group strategies; the coordinator's
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
@@ -72,8 +72,7 @@ class GenerateConfig:
                 raise JobError(message)
 
         if self.num_speculative_tokens is None:
-            default = TREE_DEFAULT_DEPTH if self.tree_budget else DEFAULT_NUM_SPECULATIVE_TOKENS
-            object.__setattr__(self, "num_speculative_tokens", default)
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
         need(bool(self.input), "--input must not be empty")
         need(bool(self.output), "--output must not be empty")
         need(bool(self.prompt_column), "--prompt-column must not be empty")
@@ -92,7 +91,6 @@ class GenerateConfig:
         P = self.tree_budget
         need(isinstance(P, int) and 0 <= P <= 256, f"--tree-budget must be in 0..256 (0: a chain), got {P!r}")
         need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model or ngram), not none")
-        need(not P or self.num_speculative_tokens != AUTO, "--tree-budget needs a fixed --num-speculative-tokens (the tree's depth), not auto")
         need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
         need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")
         need(self.draft_assist in DRAFT_ASSISTS, f"--draft-assist must be one of {', '.join(DRAFT_ASSISTS)}, got {self.draft_assist!r}")

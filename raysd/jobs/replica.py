@@ -258,11 +258,12 @@ class GenerationReplica:
             half = max(1, math.ceil(cfg.batch_size / 2))
             # Without a draft model the batch is never split: no need to time half of it.
             sizes = sorted({1, half, cfg.batch_size} if cfg.draft_is_model else {1, cfg.batch_size})
+            k_max = max(self.K, cfg.tree_budget)  # a tree of P nodes is weighed by T_target(B, P + 1)
             c = self.coordinator
             key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
-                   "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": self.K, "batch_sizes": sizes,
-                   "context": 64, "reps": 2}
-            costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(self.K, sizes, context=64, reps=2))
+                   "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": k_max,
+                   "batch_sizes": sizes, "context": 64, "reps": 2}
+            costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
             serial = AdaptiveConfig(costs)
             # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
             k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K

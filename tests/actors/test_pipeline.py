@@ -408,7 +408,7 @@ def test_steps_that_draft_nothing_skip_the_draft_actor(monkeypatch):
     with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
         for skip in (True, False):
             schedule = itertools.cycle([0, 0, 3, 0, 0, 0, 0, 2, K])  # one micro-batch: steps run in this order
-            monkeypatch.setattr(c, "_choose_k", lambda mb, s=schedule: next(s))
+            monkeypatch.setattr(c, "_choose_plan", lambda mb, s=schedule: (next(s), 0))
             monkeypatch.setattr(c, "_skips_draft", lambda k, skip=skip: skip and k == 0)
             runs[skip] = c.generate(reqs)
     skipped, asked = runs[True], runs[False]

@@ -8,6 +8,7 @@ import pytest
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
+from raysd.engine.adaptive import AdaptiveConfig, StepCosts
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
@@ -48,3 +49,20 @@ def test_ngram_tree_through_the_actors_matches_the_target():
         out = c.generate(reqs)
     target = tiny_model("llama", 0)
     assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in reqs]
+
+
+def test_the_tree_chosen_each_step_through_the_actors_matches_the_target():
+    """-k auto with a tree budget: the coordinator (or, for n-gram, the target actor) chooses each
+    step's chain or tree, and both actors draft and verify the one chosen."""
+    reqs = requests(random_prompts(6, seed=8), max_new_tokens=12)
+    target = tiny_model("llama", 0)
+    expected = [hf_greedy(target, list(r.prompt_token_ids), 12) for r in reqs]
+    costs = StepCosts((1, 4), (tuple(1.0 + 0.01 * k for k in range(P + 1)),) * 2, (0.05, 0.05))  # a verifier with spare width
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, eos_token_ids=(EOS,), draft_resources=CPU,
+                            target_resources=CPU, tree_budget=P, adaptive=AdaptiveConfig(costs))
+    for drafter in (DrafterSpec(factory("llama", 1)), DrafterSpec(None)):
+        with SpecCoordinator(factory("llama", 0), drafter, cfg) as c:
+            out = c.generate(reqs)
+            chosen = c.k_controller.chosen
+        assert [r.token_ids for r in out.results] == expected
+        assert any(tree for _, tree in chosen), chosen

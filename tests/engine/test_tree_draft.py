@@ -268,9 +268,9 @@ def test_unsupported_configurations_fail_at_once():
     target = tiny_model("llama")
     with pytest.raises(ValueError, match="static runner"):
         EngineConfig(tree_budget=4, runner="dynamic")
-    with pytest.raises(ValueError, match="adaptive"):
+    with pytest.raises(ValueError, match="tree_budget"):  # an adaptive tree of P nodes needs T_target(B, P + 1)
         costs = StepCosts((1,), ((1.0,) * 9,), (0.1,))
-        EngineConfig(tree_budget=4, adaptive=AdaptiveConfig(costs))
+        EngineConfig(tree_budget=16, adaptive=AdaptiveConfig(costs))
     with pytest.raises(ValueError, match="exact"):
         EngineConfig(tree_budget=4, acceptance="relaxed:0.5")
     with pytest.raises(ValueError, match="tree_budget"):

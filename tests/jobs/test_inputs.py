@@ -167,20 +167,23 @@ def test_num_speculative_tokens_auto_is_parsed_and_validated():
         GenerateConfig(input="in.jsonl", output="out", num_speculative_tokens="fast")
 
 
-def test_k_defaults_to_auto_and_a_tree_to_depth_4():
+def test_k_defaults_to_auto_with_or_without_a_tree():
     import argparse
 
     from raysd.jobs.cli import add_arguments, config_from_args
-    from raysd.jobs.config import AUTO, TREE_DEFAULT_DEPTH, GenerateConfig
+    from raysd.jobs.config import AUTO, AUTO_MAX_K, GenerateConfig
 
     assert GenerateConfig(input="in.jsonl", output="out").num_speculative_tokens == AUTO
     tree = GenerateConfig(input="in.jsonl", output="out", tree_budget=8)
-    assert tree.num_speculative_tokens == TREE_DEFAULT_DEPTH == 4 and not tree.adaptive_speculation
+    assert tree.num_speculative_tokens == AUTO and tree.adaptive_speculation
+    assert tree.effective_num_speculative_tokens == AUTO_MAX_K  # the trees' depth limit
+    fixed = GenerateConfig(input="in.jsonl", output="out", tree_budget=8, num_speculative_tokens=4)
+    assert fixed.num_speculative_tokens == 4 and not fixed.adaptive_speculation
     p = argparse.ArgumentParser()
     add_arguments(p)
     flags = ["--input", "in.jsonl", "--output", "out"]
     assert config_from_args(p.parse_args(flags)).num_speculative_tokens == AUTO
-    assert config_from_args(p.parse_args(flags + ["--tree-budget", "8"])).num_speculative_tokens == 4
+    assert config_from_args(p.parse_args(flags + ["--tree-budget", "8"])).num_speculative_tokens == AUTO
     assert config_from_args(p.parse_args(flags + ["-k", "3"])).num_speculative_tokens == 3
 
 

@@ -19,7 +19,6 @@ from tests.jobs.conftest import token_prompts
 @pytest.mark.parametrize("fields,match", [
     ({"tree_budget": -1}, "--tree-budget"),
     ({"tree_budget": 4, "draft": "none"}, "drafter"),
-    ({"tree_budget": 4, "draft": "m", "num_speculative_tokens": "auto"}, "auto"),
     ({"tree_budget": 4, "draft": "m", "num_speculative_tokens": 0}, ">= 1"),
     ({"tree_budget": 4, "draft": "m", "acceptance": "relaxed:0.5"}, "exactly"),
 ])
@@ -59,7 +58,7 @@ def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_r
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft, max_new_tokens=10,
-                         batch_size=4, quiet=True, tree_budget=8)
+                         batch_size=4, quiet=True, tree_budget=8, num_speculative_tokens=4)
     summary = generate(cfg)
     rows = sorted(pq.read_table(cfg.output).to_pylist(), key=lambda r: r["id"])
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -76,3 +75,23 @@ def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_r
     for got in (summary.to_dict(), written):
         assert {k: got[k] for k in pooled} == pytest.approx(pooled)
     assert summary.mean_accepted_depth == pytest.approx(summary.mean_acceptance_length - 1)
+
+
+@pytest.mark.slow
+def test_a_job_choosing_its_tree_each_step_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_ray):
+    """The default -k auto with --tree-budget: each step's chain or tree is chosen from the step
+    costs the replica profiles up to P + 1 tokens; the rows are still the target's own."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = model_dirs
+    prompts = token_prompts(4, seed=10)
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft, max_new_tokens=8,
+                         batch_size=4, quiet=True, tree_budget=8)
+    assert cfg.adaptive_speculation
+    generate(cfg)
+    rows = sorted(pq.read_table(cfg.output).to_pylist(), key=lambda r: r["id"])
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert [r["generated_token_ids"] for r in rows] == [hf_greedy(model, p, 8) for p in prompts]
+    assert {r["tree_budget"] for r in rows} == {8} and all(r["error"] is None for r in rows)
