@@ -1,7 +1,8 @@
 """Issue 19 item 5: the tree chosen each step (`adaptive` with a tree budget) against the chain,
 the chain with adaptive K, and fixed trees, in one run on this machine.
 
-SmolLM2-135M-Instruct (fp32) with its shipped distilled draft, Spec-Bench first turns with the
+SmolLM2-135M-Instruct (fp32) with its shipped distilled draft (or, `--draft eagle`, its shipped
+EAGLE feature draft, whose trees FeatureDrafter.propose_tree grows), Spec-Bench first turns with the
 chat template (round-robin over the 6 tasks), greedy, fixed-length outputs (ignore_eos), one
 SpecEngine per variant and repeat, the variants interleaved within each repeat. The adaptive
 variants share one step-cost profile (`profile_step_costs`: the target at 1..P + 1 tokens and one
@@ -10,6 +11,7 @@ draft forward, at the batch size run), measured once at the start and reported.
 Every variant's greedy rows must equal the first variant's (the chain's): the run fails otherwise.
 
     python bench/tree_auto_bench.py                 # docs/trees.md: 12 prompts x 32 tokens, batch 1, 2 repeats
+    python bench/tree_auto_bench.py --draft eagle --out bench/results/tree_auto_bench_eagle.json
     python bench/tree_auto_bench.py --quick         # smoke test
 """
 
@@ -29,10 +31,12 @@ from common import load_prompts, loadavg, machine  # noqa: E402
 
 from raysd.core.sampling import SamplingParams  # noqa: E402
 from raysd.engine.adaptive import AdaptiveConfig, profile_step_costs  # noqa: E402
-from raysd.engine.drafters import DraftModelDrafter  # noqa: E402
+from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
 from raysd.engine.rows import Request  # noqa: E402
-from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer  # noqa: E402
+from raysd.models.features import EagleCausalLM  # noqa: E402
+from raysd.models.loading import (DEFAULT_EAGLE, DEFAULT_MODEL, ModelSpec, eos_token_ids, load_eagle_draft,  # noqa: E402
+                                  load_model, load_tokenizer)
 
 DRAFT = "smollm2-135m-instruct-draft"
 
@@ -43,9 +47,10 @@ def variants(k: int, budget: int) -> list[tuple[str, int, int, bool]]:
             ("auto chain", k, 0, True), (f"auto tree P<={budget}", k, budget, True)]
 
 
-def run(target, draft, k, P, adaptive, batch, prompts, max_new, eos) -> dict:
+def run(target, draft, eagle, k, P, adaptive, batch, prompts, max_new, eos) -> dict:
     vocab = target.get_output_embeddings().weight.shape[0]
-    engine = SpecEngine(target, DraftModelDrafter(draft, vocab), EngineConfig(
+    drafter = FeatureDrafter(draft, vocab) if eagle else DraftModelDrafter(draft, vocab)
+    engine = SpecEngine(target, drafter, EngineConfig(
         num_speculative_tokens=k, max_batch_size=batch, eos_token_ids=eos, tree_budget=P, adaptive=adaptive))
     requests = [Request(i, p["ids"], SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -71,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--budget", type=int, default=16, help="P: the fixed tree's budget and the adaptive trees' largest")
     p.add_argument("-k", type=int, default=4, help="the chain's length and the trees' depth limit")
+    p.add_argument("--draft", choices=("distilled", "eagle"), default="distilled",
+                   help=f"{DRAFT} (a two-layer draft model) or {DEFAULT_EAGLE} (the EAGLE feature draft)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -79,15 +86,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.per_task, a.max_new_tokens, a.repeats, a.budget = 1, 8, 1, 8
-        a.out = "/tmp/tree_auto_bench_quick.json"
+        a.out = f"/tmp/tree_auto_bench_quick_{a.draft}.json"
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(DEFAULT_MODEL)
-    target, draft = load_model(ModelSpec(DEFAULT_MODEL)), load_model(ModelSpec(DRAFT))
+    target = load_model(ModelSpec(DEFAULT_MODEL))
+    eagle = a.draft == "eagle"
+    draft = load_eagle_draft(DEFAULT_EAGLE, target) if eagle else load_model(ModelSpec(DRAFT))
+    timed_draft = EagleCausalLM(draft, zero_features=True) if eagle else draft  # its forward, features zero
     prompts = load_prompts(tok, a.per_task)
     eos = eos_token_ids(target)
     load_start, started = loadavg(), time.perf_counter()
     with torch.inference_mode():
-        costs = profile_step_costs(target, draft, k_max=max(a.k, a.budget), batch_sizes=(a.batch,), context=64, reps=3,
+        costs = profile_step_costs(target, timed_draft, k_max=max(a.k, a.budget), batch_sizes=(a.batch,), context=64, reps=3,
                                    runner="static")
     print(f"step costs at B = {a.batch}: target ms by tokens per row "
           + ", ".join(f"{n + 1}: {t * 1e3:.0f}" for n, t in enumerate(costs.target_s[0]))
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     rows = []
     for rep in range(a.repeats):
         for name, k, P, auto in variants(a.k, a.budget):
-            r = run(target, draft, k, P, adaptive if auto else None, a.batch, prompts, a.max_new_tokens, eos)
+            r = run(target, draft, eagle, k, P, adaptive if auto else None, a.batch, prompts, a.max_new_tokens, eos)
             r.update(variant=name, repeat=rep, load=loadavg())
             rows.append(r)
             print(f"[{rep}] {name}: {r['tok_s']:.2f} tok/s, {r['tokens_per_pass']:.2f} tokens/pass, "

@@ -217,7 +217,7 @@ class SpecCoordinator:
 
     def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig):
         if config.tree_budget and drafter.runner == "dynamic":
-            raise ValueError("tree drafting needs the static runner and a draft-model or n-gram drafter")
+            raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter")
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         self._k_controller: KController | None = None
@@ -252,8 +252,8 @@ class SpecCoordinator:
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
         if config.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
             self.shutdown()
-            raise ValueError("tree drafting needs the static runner and a draft-model or n-gram drafter "
-                             "(Llama-family target and draft models, not an EAGLE draft)")
+            raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter "
+                             "(Llama-family target and draft models, no draft assist)")
         if parse_acceptance(config.acceptance) is not None:
             warnings.warn(f"RELAXED ACCEPTANCE ({config.acceptance}): outputs do NOT follow the target distribution "
                           "exactly", LossyAcceptanceWarning, stacklevel=2)

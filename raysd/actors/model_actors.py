@@ -248,7 +248,8 @@ class DraftActor:
             limit = 2**31 - 1
         else:
             limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
-        trees = self.model is None or (not feature and self.spec.runner != "dynamic" and supports_static(self.model)
+        # a draft model or an EAGLE draft (its config is its target's family) on the static runner, or n-gram
+        trees = self.model is None or (self.spec.runner != "dynamic" and supports_static(self.model)
                                        and self.spec.inner == "none")
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
 

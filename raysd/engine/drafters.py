@@ -47,7 +47,9 @@ class Drafter(ABC):
     name: str
     vocab_size: int  # the width of draft_probs: the target's vocabulary
     needs_features = False  # True: `commit` also takes the target's features (FeatureDrafter)
-    supports_trees = False  # True: `propose_tree` and `commit_path` draft trees (DraftModelDrafter on a static runner)
+    # True: `propose_tree` drafts trees (and `commit_path` keeps the accepted branch, for a drafter
+    # whose cache keeps drafted positions): a draft model or a feature draft on a static runner, n-gram
+    supports_trees = False
 
     @abstractmethod
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
@@ -172,7 +174,8 @@ class DraftModelDrafter(Drafter):
         tokens, probs = [], []
         above = -1  # the first node of the level above (-1: the root)
         for d, (s, e) in enumerate(levels):
-            t, q = self._draft_level(shape, s, e, above, logits, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            wide = self._draft_logits(logits.flatten(0, 1)).view(*logits.shape[:2], -1)  # [B, n, V]
+            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
             tokens.append(t)
             probs.append(q)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
@@ -181,32 +184,6 @@ class DraftModelDrafter(Drafter):
             above = s
         return Proposal(torch.cat(tokens, dim=1), num, torch.cat(probs, dim=1), tuple(counts))
 
-    def _draft_level(self, shape: TreeShape, start: int, end: int, above: int, logits: torch.Tensor,
-                     sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft nodes start .. end - 1 (one level) from the logits [B, n, V'] at the level above,
-        whose first node is `above` (-1: the root, n = 1). Returns their tokens and draft_probs."""
-        B, n = logits.shape[:2]
-        level = range(start, end)
-        up = [shape.parents[i] - above for i in level]  # each node's parent, as an index into `logits`
-        rank = [shape.ranks[i] for i in level]
-        first = [0] * n  # the node whose draw is each parent's sample (its rank-0 child)
-        for i, u, r in zip(level, up, rank):
-            if r == 0:
-                first[u] = i
-        wide = self._draft_logits(logits.flatten(0, 1)).view(B, n, -1)  # [B, n, V]
-        q = logits_to_probs(wide, sampling)  # [B, n, V]
-        sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
-        candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
-        R = max(rank) + 1
-        if R > 1:
-            others = wide.scatter(-1, sampled[..., None], float("-inf")).topk(R - 1, dim=-1).indices  # [B, n, R - 1]
-            candidates = torch.cat([candidates, others], dim=-1)
-        up_t = torch.tensor(up, dtype=torch.int64, device=wide.device)  # [m]
-        rank_t = torch.tensor(rank, dtype=torch.int64, device=wide.device)  # [m]
-        tokens = candidates[:, up_t, rank_t]  # [B, m]
-        one_hot = torch.zeros(B, len(up), wide.shape[-1], device=wide.device).scatter_(-1, tokens[..., None], 1.0)
-        return tokens, torch.where((rank_t == 0)[None, :, None], q[:, up_t], one_hot)  # [B, m], [B, m, V]
-
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V'] draft logits -> [B, V] over the target's vocabulary, top-m applied."""
         logits = _widen(logits, self.target_vocab_size)
@@ -214,6 +191,37 @@ class DraftModelDrafter(Drafter):
             index = logits.topk(self.draft_top_m, dim=-1).indices  # [B, m]
             logits = torch.full_like(logits, float("-inf")).scatter_(-1, index, logits.gather(-1, index))
         return logits
+
+
+def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: torch.Tensor,
+                     sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft nodes start .. end - 1 (one level of `shape`) from the draft's logits [B, n, V] (over
+    the target's vocabulary) at the level above, whose first node is `above` (-1: the root, n = 1).
+
+    Each parent's rank-0 child is drawn from q = the draft's distribution (the rows' sampling
+    parameters, node i's draw uniforms[:, i]) with draft_probs = q; its rank-r child is the r-th
+    most likely other token, with a one-hot draft_probs. Returns [B, m] tokens and [B, m, V]
+    draft_probs for the level's m nodes."""
+    B, n = wide.shape[:2]
+    level = range(start, end)
+    up = [shape.parents[i] - above for i in level]  # each node's parent, as an index into `wide`
+    rank = [shape.ranks[i] for i in level]
+    first = [0] * n  # the node whose draw is each parent's sample (its rank-0 child)
+    for i, u, r in zip(level, up, rank):
+        if r == 0:
+            first[u] = i
+    q = logits_to_probs(wide, sampling)  # [B, n, V]
+    sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
+    candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
+    R = max(rank) + 1
+    if R > 1:
+        others = wide.scatter(-1, sampled[..., None], float("-inf")).topk(R - 1, dim=-1).indices  # [B, n, R - 1]
+        candidates = torch.cat([candidates, others], dim=-1)
+    up_t = torch.tensor(up, dtype=torch.int64, device=wide.device)  # [m]
+    rank_t = torch.tensor(rank, dtype=torch.int64, device=wide.device)  # [m]
+    tokens = candidates[:, up_t, rank_t]  # [B, m]
+    one_hot = torch.zeros(B, len(up), wide.shape[-1], device=wide.device).scatter_(-1, tokens[..., None], 1.0)
+    return tokens, torch.where((rank_t == 0)[None, :, None], q[:, up_t], one_hot)  # [B, m], [B, m, V]
 
 
 MAX_NGRAM_BRANCHES = 8  # earlier occurrences whose continuations a tree may hold
@@ -347,6 +355,7 @@ class FeatureDrafter(Drafter):
         self.vocab_size = target_vocab_size
         self.runner = make_runner(self.model, runner, vocab_size=min(output_vocab_size(self.model), target_vocab_size))
         self.hidden_size = draft.config.hidden_size
+        self.supports_trees = isinstance(self.runner, StaticModelRunner)
         self.tokens: list[list[int]] = []  # every row's committed tokens
         self.cached: list[int] = []  # positions in the draft's cache (all read the target's features)
         self.pending: list[torch.Tensor] = []  # [n, H] target features of positions cached[b].. not yet fed
@@ -379,10 +388,7 @@ class FeatureDrafter(Drafter):
             return Proposal.empty(B, self.vocab_size, self.device)
         # 1. Feed each row's pending (feature, next token) pairs: logits and hidden state at its last
         #    committed position. A row with none (its first step) drafts nothing.
-        counts = [len(f) for f in self.pending]
-        logits, hidden = self._catch_up(counts)  # [B, V'], [B, 1, H]
-        self.cached = [c + n for c, n in zip(self.cached, counts)]
-        self.pending = [f[:0] for f in self.pending]
+        logits, hidden = self._feed_pending()  # [B, V'], [B, 1, H]
         ones = torch.ones(B, dtype=torch.int64, device=self.device)
         # 2. Draft: each token drawn from the row's own distribution; its own hidden state is the next feature.
         drafts, probs = [], []
@@ -400,6 +406,51 @@ class FeatureDrafter(Drafter):
         num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=self.device)
         return Proposal(torch.stack(drafts, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
 
+    def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,
+                     uniforms: torch.Tensor) -> Proposal:
+        """EAGLE-2's tree (Li et al. 2024, arXiv 2406.16858, section 4) with this draft: the first
+        `shape.nodes_within(max_depths[b])` nodes of `shape` per row, drafted level by level as
+        DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from q,
+        rank-r children the r-th best other token), one forward per level but the deepest
+        (StaticModelRunner.forward_tree). Each node's feature is the draft's own hidden state at its
+        parent, the root's children's the hidden state after catching up on the target's
+        features, so a tree's rank-0 path is the chain `propose` would draft with the same draws.
+        Nothing drafted is kept: the cache rolls back to the positions that read the target's
+        features, as after a chain (hence no `commit_path`: the outcome's features suffice)."""
+        B = len(max_depths)
+        counts = [shape.nodes_within(int(d)) for d in max_depths]
+        N = max(counts, default=0)
+        if N == 0:
+            return Proposal.empty(B, self.vocab_size, self.device)
+        logits, hidden = self._feed_pending()  # [B, V'], [B, 1, H] at the root
+        parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=self.device).expand(B, N)  # [B, N]
+        num = torch.tensor(counts, dtype=torch.int64).to(self.device)  # [B]
+        levels = shape.levels(N)
+        logits = logits[:, None]  # [B, n, V'] at the level above (the root: n = 1)
+        tokens, probs = [], []
+        above = -1  # the first node of the level above (-1: the root)
+        for d, (s, e) in enumerate(levels):
+            wide = _widen(logits.flatten(0, 1), self.vocab_size).view(B, logits.shape[1], -1)  # [B, n, V]
+            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            tokens.append(t)
+            probs.append(q)
+            if d + 1 < len(levels):  # the deepest level is verified, never fed
+                up = torch.tensor([shape.parents[i] - above for i in range(s, e)], dtype=torch.int64, device=self.device)
+                self.model.features = hidden[:, up]  # [B, e - s, H]: each node reads its parent's hidden state
+                logits = self.runner.forward_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
+                hidden = self.model.hidden  # [B, e - s, H]
+            above = s
+        self.runner.rollback(torch.tensor(self.cached, dtype=torch.int64, device=self.device), max(self.cached))
+        return Proposal(torch.cat(tokens, dim=1), num, torch.cat(probs, dim=1), tuple(counts))
+
+
+    def _feed_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up on every row's pending pairs (`_catch_up`); they are cached from then on."""
+        counts = [len(f) for f in self.pending]
+        out = self._catch_up(counts)
+        self.cached = [c + n for c, n in zip(self.cached, counts)]
+        self.pending = [f[:0] for f in self.pending]
+        return out
 
     def _catch_up(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row its pending pairs, right-aligned, in one forward; on the static runner, in

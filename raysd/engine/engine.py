@@ -47,7 +47,7 @@ class EngineConfig:
     acceptance: str = "exact"
     # P > 0: each step drafts a tree of at most P nodes per row, at most num_speculative_tokens
     # deep, verified in one target pass (raysd.core.tree_shape, docs/trees.md); it needs the
-    # static runner and a draft-model (or n-gram) drafter. With `adaptive`, P is the largest
+    # static runner and a draft-model, feature (EAGLE) or n-gram drafter. With `adaptive`, P is the largest
     # tree weighed: each step drafts the chain or tree of best expected goodput. 0: chains only.
     tree_budget: int = 0
 
@@ -96,8 +96,8 @@ def tree_support_error(drafter: Drafter, verifier: TargetVerifier) -> str | None
     if isinstance(drafter, AssistedDraftModelDrafter):
         return "tree drafting does not take an assisted draft model (draft assist 'ngram'): use a chain"
     if not drafter.supports_trees:
-        return f"tree drafting needs the static runner and a draft-model or n-gram drafter, not {type(drafter).__name__}" + (
-            " on the dynamic runner" if isinstance(drafter, DraftModelDrafter) else "")
+        return f"tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter, not {type(drafter).__name__}" + (
+            " on the dynamic runner" if isinstance(drafter, (DraftModelDrafter, FeatureDrafter)) else "")
     if not verifier.supports_trees:
         return "tree drafting needs the static runner for the target (a Llama-family model: llama, qwen2, mistral)"
     return None

@@ -123,7 +123,7 @@ class DraftSide:
     def propose(self, k: int, tree_budget: int | None = None) -> Proposal:
         """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws; with a
         tree (`tree_budget` > 0, default RowLimits.tree_budget), its nodes at most min(k, room)
-        deep (DraftModelDrafter.propose_tree)."""
+        deep (Drafter.propose_tree)."""
         K = self.limits.num_speculative_tokens
         offered = np.minimum(self.batch.room(), k)  # [B]
         if self.cold is not None:
@@ -211,8 +211,8 @@ class TargetSide:
         verdict = self._verdict(proposal, tree)
         kept = batch.emit(verdict, offered)
         accepted = verdict.num_accepted.tolist()
-        features = self._features(accepted)
         path = verdict.paths()
+        features = self._features(accepted, path)
         ranks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         if path is None:
             self.verifier.commit(kept, accepted)
@@ -245,12 +245,13 @@ class TargetSide:
         return self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
                                     self.synthetic_rate, self.relax).read_back()
 
-    def _features(self, accepted: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
+    def _features(self, accepted: Sequence[int], path: Sequence[Sequence[int]] | None) -> tuple[torch.Tensor, ...] | None:
         """A feature draft's part of the outcome: new rows' prompt features, then every row's
-        features at the positions this step cached for good (device tensors)."""
+        features at the positions this step cached for good (device tensors; a tree's: its head
+        and accepted path)."""
         if self._prompt_features is None:
             return None
-        step = self.verifier.accepted_features(accepted)
+        step = self.verifier.accepted_features(accepted, path)
         out = tuple(f if prompt is None else torch.cat([prompt, f]) for prompt, f in zip(self._prompt_features, step))
         self._prompt_features = [None] * len(step)
         return out

@@ -149,12 +149,17 @@ class TargetVerifier:
         empty = torch.zeros(0, self.hidden_size, device=self.seqs.device)
         return [by_row.get(i, empty) for i in range(len(prompts))]
 
-    def accepted_features(self, num_accepted: Sequence[int]) -> list[torch.Tensor]:
+    def accepted_features(self, num_accepted: Sequence[int], path: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
         """After `verify`: each row's features at the positions it now caches for good (its pending
-        tokens and its accepted drafts), [pending + accepted, H]: device views, nothing read back."""
+        tokens and its accepted drafts), [pending + accepted, H]: device tensors, nothing read back.
+        After `verify_tree`, with the accepted `path`: the tree's head (the pending token), then
+        the path's nodes."""
         assert self._step is not None, "verify with features=True first"
         F, starts, pending = self._step
         self._step = None
+        if path is not None:
+            assert starts is None, "a chain's features: no path"
+            return [F[b, [0] + [n + 1 for n in p]] for b, p in enumerate(path)]  # [1 + len(p), H]
         return [F[b, s : s + p + int(a)] for b, (s, p, a) in enumerate(zip(starts, pending, num_accepted))]
 
     def select(self, rows: Sequence[int]) -> None:
@@ -165,7 +170,7 @@ class TargetVerifier:
 
     @property
     def supports_trees(self) -> bool:
-        return isinstance(self.seqs.runner, StaticModelRunner) and self.tap is None
+        return isinstance(self.seqs.runner, StaticModelRunner)
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
         """After `verify_tree`: keep each row's pending token and accepted branch (the target fed them all)."""
@@ -186,7 +191,11 @@ class TargetVerifier:
         ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
         B, N = ids.shape
         parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=self.seqs.device).expand(B, N)  # [B, N]
+        heads = {len(p) for p in self.seqs.pending}
         logits = self.seqs.feed_tree(ids, parents, num)  # [B, N + 1, V]
+        if self.tap is not None:  # the chunk: each row's pending token (the tree's head), then its nodes
+            assert heads == {1}, "a feature draft's tree follows one pending token per row"
+            self._step = (self.tap.take(), None, None)  # [B, N + 1, H]
         target_probs = logits_to_probs(logits, sampling)  # [B, N + 1, V]
         tree = tree_rejection_sample(parents, ids, num, proposal.draft_probs, target_probs, accept_uniforms,
                                      final_uniforms, max_depth=shape.depth_of(N))

@@ -90,7 +90,7 @@ class GenerateConfig:
         need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
         P = self.tree_budget
         need(isinstance(P, int) and 0 <= P <= 256, f"--tree-budget must be in 0..256 (0: a chain), got {P!r}")
-        need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model or ngram), not none")
+        need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft or ngram), not none")
         need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
         need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")
         need(self.draft_assist in DRAFT_ASSISTS, f"--draft-assist must be one of {', '.join(DRAFT_ASSISTS)}, got {self.draft_assist!r}")

@@ -4,15 +4,17 @@ Greedy output is the target's own; seeded samples are the single-process engine'
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
 from raysd.engine.adaptive import AdaptiveConfig, StepCosts
-from raysd.engine.drafters import DraftModelDrafter
+from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
-from tests.conftest import EOS, VOCAB, tiny_model
+from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
@@ -36,9 +38,25 @@ def test_tree_through_the_actors_matches_the_target_and_the_engine():
 def test_trees_refuse_what_they_cannot_draft():
     with pytest.raises(ValueError, match="static runner"):
         CoordinatorConfig(tree_budget=4, runner="dynamic")
-    with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model or n-gram drafter"):
+    with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter"):
         SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner="dynamic"),
                         CoordinatorConfig(tree_budget=4, draft_resources=CPU, target_resources=CPU))
+
+
+def test_eagle_tree_through_the_actors_matches_the_target_and_the_engine():
+    """The feature draft's tree across two actors: the target actor returns the features of each
+    row's head and accepted path with its verdict; the draft actor grows its next tree from them."""
+    prompts = random_prompts(8, seed=9)
+    greedy, sampled = greedy_and_sampled(prompts)
+    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
+                            target_resources=CPU, tree_budget=P)
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(functools.partial(tiny_eagle, 0, 3)), cfg) as c:
+        out = c.generate(greedy + sampled)
+    target = tiny_model("llama", 0)
+    assert [r.token_ids for r in out.results[:4]] == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
+    engine = SpecEngine(target, FeatureDrafter(tiny_eagle(0, 3), VOCAB), EngineConfig(K, 3, (EOS,), tree_budget=P))
+    assert [r.token_ids for r in out.results[4:]] == [r.token_ids for r in engine.generate(sampled)]
+    assert any(r.stats.mean_nodes_verified > 1 for r in out.results) and out.report.transfer.features > 0
 
 
 def test_ngram_tree_through_the_actors_matches_the_target():

@@ -162,6 +162,21 @@ def exact_joint3(target, prompt, params: SamplingParams) -> np.ndarray:
     return joint
 
 
+def assert_first_three_follow_target(results, target, prompt: list[int], params: SamplingParams) -> None:
+    """The first three tokens of the rows against the target's exact joint law: nothing outside
+    its support, chi-square at 1e-3, total variation within its sample-size bound."""
+    n = len(results)
+    counts = np.zeros((V, V, V))
+    for r in results:
+        counts[tuple(r.token_ids[:3])] += 1
+    expected = exact_joint3(target, prompt, params) * n
+    support = expected.ravel() > 0
+    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
+    assert chi_square_pvalue(counts.ravel(), expected.ravel() / n) > 1e-3  # cells expecting < 5 pooled
+    tv = 0.5 * np.abs(counts / n - expected / n).sum()
+    assert tv <= tv_tolerance(int(support.sum()), n), tv
+
+
 def test_sampled_output_follows_the_targets_law():
     """The joint law of three sampled tokens (the second and third drafted by the feature draft)
     equals the target's: chi-square, and total variation within its sample-size bound."""
@@ -171,13 +186,5 @@ def test_sampled_output_follows_the_targets_law():
     engine = eagle_engine(target, 2, 2000, "static", seed=3, vocab=V)
     results = engine.generate([Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 50_000 + i}))
                                for i in range(N)])
-    counts = np.zeros((V, V, V))
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
-    expected = exact_joint3(target, prompt, base) * N
-    support = expected.ravel() > 0
-    assert counts.ravel()[~support].sum() == 0, "a token outside the target's support was emitted"
-    assert chi_square_pvalue(counts.ravel(), expected.ravel() / N) > 1e-3  # cells expecting < 5 pooled
-    tv = 0.5 * np.abs(counts / N - expected / N).sum()
-    assert tv <= tv_tolerance(int(support.sum()), N), tv
+    assert_first_three_follow_target(results, target, prompt, base)
     assert sum(r.stats.num_accepted_draft_tokens for r in results) > 0  # the drafts were really used

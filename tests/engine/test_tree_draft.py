@@ -245,12 +245,15 @@ def test_same_seed_same_tokens_whatever_the_batch():
 # ---------------------------------------------------------------- one read-back per step
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "eagle", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_tree_step_reads_back_once(temperature, kind, monkeypatch):
     target = tiny_model("llama", seed=0)
     if kind == "model":
         engine = engine_for(target, tiny_model("llama", seed=5, layers=1), 8, batch_size=4)
+    elif kind == "eagle":
+        engine = SpecEngine(target, FeatureDrafter(tiny_eagle(), VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
+                                                                                       eos_token_ids=(EOS,), tree_budget=8))
     else:
         engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
                                                                       eos_token_ids=(EOS,), tree_budget=8))
@@ -277,8 +280,9 @@ def test_unsupported_configurations_fail_at_once():
         EngineConfig(tree_budget=-1)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(tree_budget=4, num_speculative_tokens=0)
-    for drafter in (FeatureDrafter(tiny_eagle(), VOCAB), DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB, runner="dynamic")):
-        with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model or n-gram drafter"):
+    for drafter in (FeatureDrafter(tiny_eagle(), VOCAB, runner="dynamic"),
+                    DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB, runner="dynamic")):
+        with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter"):
             SpecEngine(target, drafter, EngineConfig(tree_budget=4))
     with pytest.raises(ValueError, match="target"):
         SpecEngine(tiny_model("gpt2"), DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB), EngineConfig(tree_budget=4))

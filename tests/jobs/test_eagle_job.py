@@ -25,7 +25,8 @@ def greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_an_eagle_draft_job_gives_the_targets_greedy_tokens(tmp_path, local_ray):
+@pytest.mark.parametrize("tree_budget", [0, 8])  # a chain, and EAGLE-2's tree (issue 19)
+def test_an_eagle_draft_job_gives_the_targets_greedy_tokens(tmp_path, local_ray, tree_budget):
     target_dir, eagle_dir = tmp_path / "target", tmp_path / "eagle"
     target = tiny_model("llama", seed=0)
     target.save_pretrained(target_dir)
@@ -35,10 +36,13 @@ def test_an_eagle_draft_job_gives_the_targets_greedy_tokens(tmp_path, local_ray)
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=str(target_dir), draft=str(eagle_dir),
                          max_new_tokens=9, batch_size=4, quiet=True,
-                         num_speculative_tokens=4)  # fixed: auto turns a random draft off
+                         num_speculative_tokens=4, tree_budget=tree_budget)  # fixed K: auto turns a random draft off
     summary = generate(cfg)
     rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
     assert summary.rows == len(prompts) == len(rows) and summary.rows_failed == 0
     for i, p in enumerate(prompts):
         assert rows[i]["generated_token_ids"] == greedy(target, p, 9)
     assert sum(r["num_draft_tokens"] for r in rows.values()) > 0  # the feature draft really drafted
+    assert {r["tree_budget"] for r in rows.values()} == {tree_budget}
+    if tree_budget:
+        assert any(r["mean_nodes_verified"] > 4 for r in rows.values())  # wider than the chain of 4
