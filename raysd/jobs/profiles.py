@@ -27,7 +27,9 @@ from raysd.engine.adaptive import StepCosts
 # versions 1 and 2 timed Hugging Face's DynamicCache runner whatever the actors ran.
 # 4: float32 models on a CPU run oneDNN-prepacked linears (raysd.models.linear): a pass over
 # 2-8 tokens per row costs far less against one over 1 token than version 3 measured.
-STEP_CODE_VERSION = 4
+# 5: the K of a profile are timed in interleaved rounds and fitted non-decreasing in K
+# (raysd.models.profile): version 4's could time K = 1 below K = 0 when start-up work overlapped.
+STEP_CODE_VERSION = 5
 
 
 def cache_dir() -> Path:

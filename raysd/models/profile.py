@@ -4,7 +4,10 @@ T_target(B, K) is one target forward of K + 1 tokens per row (the last committed
 K drafts; K = 0 is plain decoding) on B rows that each hold `context` cached tokens, with
 K + 1 logits per row as the verifier asks. T_draft(B) is one draft forward of one token per
 row on the same context (a model drafter makes K of them per step), or one n-gram lookup
-over B histories. Each time is the median of `reps` runs after one warm-up run.
+over B histories. Each time is the median of `reps` runs after one warm-up run; the K of one
+profile are timed in interleaved rounds (K = 0, 1, 2, .., then again), so that a burst of
+other work on the machine (a second actor loading its model at start-up) lands on every K
+alike instead of on whichever was being timed.
 """
 
 from __future__ import annotations
@@ -56,13 +59,39 @@ def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, 
     vocab = output_vocab_size(model)
     runner = _prefilled_runner(model, batch_size, context, vocab, runner, linear_kernels=linear_kernels)
     base = runner.lengths.clone()  # [B]
-    out = {}
+    calls = {}
     for k in ks:
         ids = torch.randint(3, vocab, (batch_size, k + 1)).to(runner.device)  # [B, K + 1]
         valid = torch.ones_like(ids, dtype=torch.bool)
         n = torch.full((batch_size,), k + 1, dtype=torch.int64, device=runner.device)
-        out[k] = median_time(lambda: runner.forward(ids, valid, n), reps, runner.device, lambda: runner.rollback(base))
-    return out
+        calls[k] = (ids, valid, n)
+    times: dict[int, list[float]] = {k: [] for k in calls}
+    for i in range(reps + 1):  # the first round warms every shape up and is dropped
+        for k, (ids, valid, n) in calls.items():
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(ids, valid, n)
+            _sync(runner.device)
+            if i:
+                times[k].append(time.perf_counter() - t0)
+            runner.rollback(base)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators). A forward
+    over more tokens per row does not cost less, so a measured dip is noise; left in, it makes the
+    adaptive controller see a K > 0 step as cheaper than plain decoding and draft where drafting
+    loses (seen at batch 8: T(2 tokens) profiled 9% below T(1 token) while actually 30% above,
+    and `-k auto` drafted on 99% of steps at 0.87x of `--draft none`)."""
+    blocks: list[list[float]] = []  # [mean, count] of each pooled run
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, reps: int = 3,
@@ -71,9 +100,10 @@ def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, re
     and the powers of two up to k_max (and k_max), linear in between. A forward's time is close to
     piecewise linear in its tokens, and the adaptive controller weighs steps, not microseconds:
     measuring 5 of 9 points takes about half the start-up (issue 17: a profile must cost less
-    than it saves)."""
+    than it saves). The measured points are made non-decreasing in K first (`nondecreasing`)."""
     ks = sorted({0, k_max, *(2**i for i in range(k_max.bit_length()) if 2**i <= k_max)})
-    measured = time_forward(model, batch_size, ks, context, reps, runner)
+    raw = time_forward(model, batch_size, ks, context, reps, runner)
+    measured = dict(zip(ks, nondecreasing([raw[k] for k in ks])))
     out = []
     for k in range(k_max + 1):
         hi = next(x for x in ks if x >= k)

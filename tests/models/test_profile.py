@@ -43,3 +43,40 @@ def test_profiles_time_the_runner_the_engine_runs():
         assert set(times) == {0, 2} and all(t > 0 for t in times.values())
     with pytest.raises(ValueError, match="runner must be one of"):
         profile.time_forward(model, 1, [0], context=8, reps=1, runner="fast")
+
+
+def test_measured_points_are_fitted_non_decreasing():
+    """A dip (more tokens timed as cheaper) is pooled with its neighbour; a rising profile is kept."""
+    assert profile.nondecreasing([101.0, 92.0, 138.0, 171.0]) == [96.5, 96.5, 138.0, 171.0]
+    assert profile.nondecreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert profile.nondecreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]
+    assert profile.nondecreasing([5.0, 1.0, 9.0, 7.0]) == [3.0, 3.0, 8.0, 8.0]
+    assert profile.nondecreasing([]) == []
+
+
+def test_time_forward_upto_never_falls(monkeypatch):
+    monkeypatch.setattr(profile, "time_forward", lambda model, B, ks, context, reps, runner: {k: [10, 8, 12, 11, 20][i]
+                                                                                             for i, k in enumerate(ks)})
+    times = profile.time_forward_upto(None, 4, 8)
+    assert all(a <= b for a, b in zip(times, times[1:])) and times[0] == times[1] == 9.0
+
+
+def test_the_ks_are_timed_in_interleaved_rounds(monkeypatch):
+    """Round by round over every K (a warm-up round first), not all repeats of one K then the next:
+    a burst of other work then slows every K alike."""
+    fed = []
+
+    class Recording:
+        device = profile.torch.device("cpu")
+        lengths = profile.torch.zeros(2, dtype=profile.torch.int64)
+
+        def forward(self, ids, valid, n):
+            fed.append(ids.shape[1])
+
+        def rollback(self, lengths):
+            pass
+
+    monkeypatch.setattr(profile, "_prefilled_runner", lambda *a, **k: Recording())
+    monkeypatch.setattr(profile, "output_vocab_size", lambda model: VOCAB)
+    times = profile.time_forward(None, 2, [0, 2, 4], context=8, reps=2)
+    assert fed == [1, 3, 5] * 3 and set(times) == {0, 2, 4}
