@@ -111,7 +111,7 @@ class AssistedDraftModelDrafter(DraftModelDrafter):
         min_ngram, max_ngram: the lookup's n-gram lengths (NgramDrafter).
     """
 
-    supports_trees = False  # tree drafting takes a plain draft model or n-gram (docs/hierarchy.md)
+    supports_trees = False  # tree drafting takes a plain draft model, an EAGLE draft or n-gram (docs/hierarchy.md)
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model+ngram",
                  draft_top_m: int = 0, runner: str = "auto", inner_k: int = 4,
