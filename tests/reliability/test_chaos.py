@@ -177,7 +177,8 @@ def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
     assert live_totals(stats) == {"rows_generated": 2, "stats_restarted": 1}
     wait_until(lambda: [a["NumRestarts"] for a in alive_actors("JobStats")] == [1], "the restart recorded")
 
-    ray.kill(stats, no_restart=True)  # gone for good
+    ray.kill(stats, no_restart=True)  # gone for good; the kill is asynchronous: wait for it to land
+    wait_until(lambda: alive_actors("JobStats") == [], "the actor dead")
     pipeline._report(stats, rows_generated=2)  # dropped, no exception
     assert live_totals(stats) == {"stats_lost": 1}
 
