@@ -54,7 +54,7 @@ from raysd.actors.model_actors import (
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.engine import LossyAcceptanceWarning, check_tree_config, parse_acceptance
+from raysd.engine.engine import LossyAcceptanceWarning, check_adaptive_costs, check_tree_config, parse_acceptance
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import RowLimits, StepOutcome
 from raysd.models.runners import check_runner_kind
@@ -110,9 +110,7 @@ class CoordinatorConfig:
         check_runner_kind(self.runner)
         check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens,
                           parse_acceptance(self.acceptance) is not None)
-        if self.adaptive is not None and self.adaptive.costs.k_max < max(self.num_speculative_tokens, self.tree_budget):
-            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens "
-                             f"({self.num_speculative_tokens}) or tree_budget ({self.tree_budget})")
+        check_adaptive_costs(self.adaptive, self.num_speculative_tokens, self.tree_budget)
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
         if self.max_steps_per_call < 1:

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from raysd.core.tree_shape import RANK_PRIOR
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import parse_acceptance
-from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
+from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, by_rank
 from raysd.engine.hierarchy import AssistedDraftModelDrafter, check_inner, profile_inner_costs
 from raysd.engine.rows import Request
 from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
@@ -320,8 +320,7 @@ class TargetActor:
             if controller is not None:
                 controller.observe_all(outcome.step_overlap, outcome.step_tested)
                 controller.observe_ranks(outcome.rank_offered, outcome.rank_moved)
-            for row, counts in zip(ranks, (outcome.rank_offered, outcome.rank_moved)):
-                row[: len(counts)] += np.asarray(counts, dtype=np.int64)
+            ranks += [by_rank(outcome.rank_offered, len(RANK_PRIOR)), by_rank(outcome.rank_moved, len(RANK_PRIOR))]
             steps, overlap, tested = steps + 1, overlap + outcome.step_overlap, tested + outcome.step_tested
             if outcome.finished or steps == max_steps:
                 break

@@ -202,8 +202,8 @@ class KController:
     def observe_ranks(self, offered: Sequence[int], moved: Sequence[int]) -> None:
         """A tree step's walk, counted by rank (raysd.core.tree_shape.rank_visits)."""
         # New arrays, not in place: a controller sent to an actor arrives with read-only arrays.
-        self.rank_offered = self.rank_offered + _by_rank(offered, len(self.rank_offered))
-        self.rank_moved = self.rank_moved + _by_rank(moved, len(self.rank_moved))
+        self.rank_offered = self.rank_offered + by_rank(offered, len(self.rank_offered))
+        self.rank_moved = self.rank_moved + by_rank(moved, len(self.rank_moved))
 
     def observe(self, overlaps: Sequence[float]) -> None:
         """One row's tested positions in one step."""
@@ -211,7 +211,7 @@ class KController:
         self.num_tested_positions += len(overlaps)
 
 
-def _by_rank(counts: Sequence[int], R: int) -> np.ndarray:
+def by_rank(counts: Sequence[int], R: int) -> np.ndarray:
     """[R] int64: counts by rank, cut or zero-padded to R ranks."""
     out = np.zeros(R, dtype=np.int64)
     n = min(len(counts), R)

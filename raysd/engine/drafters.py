@@ -443,7 +443,6 @@ class FeatureDrafter(Drafter):
         self.runner.rollback(torch.tensor(self.cached, dtype=torch.int64, device=self.device), max(self.cached))
         return Proposal(torch.cat(tokens, dim=1), num, torch.cat(probs, dim=1), tuple(counts))
 
-
     def _feed_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Catch up on every row's pending pairs (`_catch_up`); they are cached from then on."""
         counts = [len(f) for f in self.pending]

@@ -68,11 +68,17 @@ class EngineConfig:
         rate = self.synthetic_acceptance_rate
         if rate is not None and (isinstance(rate, bool) or not 0.0 <= rate <= 1.0):
             raise ValueError(f"synthetic_acceptance_rate must be None or in [0, 1], got {rate!r}")
-        if self.adaptive is not None and self.adaptive.costs.k_max < max(self.num_speculative_tokens, self.tree_budget):
-            raise ValueError(f"adaptive step costs cover K <= {self.adaptive.costs.k_max}, below num_speculative_tokens "
-                             f"({self.num_speculative_tokens}) or tree_budget ({self.tree_budget}): a tree of P nodes "
-                             "needs T_target(B, P + 1)")
+        check_adaptive_costs(self.adaptive, self.num_speculative_tokens, self.tree_budget)
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+def check_adaptive_costs(adaptive: AdaptiveConfig | None, num_speculative_tokens: int, tree_budget: int) -> None:
+    """Adaptive step costs must reach K + 1 tokens and, for a tree of P nodes, P + 1 (EngineConfig,
+    CoordinatorConfig)."""
+    if adaptive is not None and adaptive.costs.k_max < max(num_speculative_tokens, tree_budget):
+        raise ValueError(f"adaptive step costs cover K <= {adaptive.costs.k_max}, below num_speculative_tokens "
+                         f"({num_speculative_tokens}) or tree_budget ({tree_budget}): a tree of P nodes "
+                         "needs T_target(B, P + 1)")
 
 
 def check_tree_config(tree_budget: int, runner: str, num_speculative_tokens: int, inexact: bool) -> None:

@@ -191,10 +191,10 @@ class TargetVerifier:
         ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
         B, N = ids.shape
         parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=self.seqs.device).expand(B, N)  # [B, N]
-        heads = {len(p) for p in self.seqs.pending}
-        logits = self.seqs.feed_tree(ids, parents, num)  # [B, N + 1, V]
         if self.tap is not None:  # the chunk: each row's pending token (the tree's head), then its nodes
-            assert heads == {1}, "a feature draft's tree follows one pending token per row"
+            assert {len(p) for p in self.seqs.pending} == {1}, "a feature draft's tree follows one pending token per row"
+        logits = self.seqs.feed_tree(ids, parents, num)  # [B, N + 1, V]
+        if self.tap is not None:
             self._step = (self.tap.take(), None, None)  # [B, N + 1, H]
         target_probs = logits_to_probs(logits, sampling)  # [B, N + 1, V]
         tree = tree_rejection_sample(parents, ids, num, proposal.draft_probs, target_probs, accept_uniforms,

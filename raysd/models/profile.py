@@ -12,6 +12,7 @@ alike instead of on whichever was being timed.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -27,17 +28,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_times(fns: dict, reps: int, device: torch.device, after: Callable[[], None] = lambda: None) -> dict:
+    """{key: median seconds of fns[key]()} over `reps` interleaved rounds (each round calls every
+    function once, in order), after one warm-up round that is dropped; `after` runs after each call."""
+    times: dict = {key: [] for key in fns}
+    for i in range(reps + 1):
+        for key, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:
+                times[key].append(time.perf_counter() - t0)
+            after()
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def median_time(fn: Callable[[], None], reps: int, device: torch.device, after: Callable[[], None] = lambda: None) -> float:
-    times = []
-    for i in range(reps + 1):  # the first run warms up and is dropped
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-        after()
-    return statistics.median(times)
+    return median_times({0: fn}, reps, device, after)[0]
 
 
 def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: str, seed: int = 0,
@@ -64,18 +72,8 @@ def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, 
         ids = torch.randint(3, vocab, (batch_size, k + 1)).to(runner.device)  # [B, K + 1]
         valid = torch.ones_like(ids, dtype=torch.bool)
         n = torch.full((batch_size,), k + 1, dtype=torch.int64, device=runner.device)
-        calls[k] = (ids, valid, n)
-    times: dict[int, list[float]] = {k: [] for k in calls}
-    for i in range(reps + 1):  # the first round warms every shape up and is dropped
-        for k, (ids, valid, n) in calls.items():
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            runner.forward(ids, valid, n)
-            _sync(runner.device)
-            if i:
-                times[k].append(time.perf_counter() - t0)
-            runner.rollback(base)
-    return {k: statistics.median(t) for k, t in times.items()}
+        calls[k] = functools.partial(runner.forward, ids, valid, n)
+    return median_times(calls, reps, runner.device, lambda: runner.rollback(base))
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
