@@ -18,13 +18,16 @@ def test_soak_2000_rows_flat_memory_steady_throughput(tmp_path):
     spec.loader.exec_module(soak)
     r = soak.main(["--rows", "2000", "--rows-per-file", "64", "--sample-s", "1", "--windows", "4", "--json", str(tmp_path / "soak.json")])
     assert r["rows_out"] == r["unique_ids"] == 2000
-    # Flat memory in raysd's processes: per-row growth under 4 KiB/row (8 MiB over the run) and under
-    # 64 MiB start to max, for the driver, the model actors and the replica. (Ray's own processes are
+    # Flat memory in raysd's processes: per-row growth under 4 KiB/row (4 MiB over the second half's
+    # 1000 rows, against RSS noise of ~0.1 MiB) once warmed up, and under 64 MiB start to max, for the
+    # driver, the model actors and the replica. The first half is warm-up: allocators and caches grow
+    # and level off (a CI run saw the draft actor take 20 MiB there). (Ray's own processes are
     # reported, not asserted: Ray starts and reaps idle workers with the machine's load.)
     for name in ("driver", "target_actor", "draft_actor", "replica_actor"):
         r_ = r["rss"].get(name)
         assert r_ is not None, (name, sorted(r["rss"]))
-        assert r_["slope_bytes_per_row"] is None or r_["slope_bytes_per_row"] < 4096, (name, r_)
+        late = r_["second_half_slope_bytes_per_row"]
+        assert late is None or late < 4096, (name, r_)
         assert r_["max_mib"] - r_["start_mib"] < 64, (name, r_)
     rates = [w["tokens_per_s"] for w in r["windows"]]
     if len(rates) >= 3:  # no decay: the last window keeps at least a third of the best one (a loaded 2-core box is noisy)
