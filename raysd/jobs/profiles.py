@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from raysd.engine.adaptive import StepCosts
+from raysd.models.gguf_cache import cache_root
 
 # Step times depend on the engine's own code as well: bump this when a change moves them, so that
 # profiles measured before it are measured again. 2: the verify's packed grouped-query attention
@@ -33,7 +34,7 @@ STEP_CODE_VERSION = 5
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RAYSD_CACHE_DIR", Path.home() / ".cache" / "raysd")) / "step_costs"
+    return cache_root() / "step_costs"
 
 
 def machine() -> dict:

