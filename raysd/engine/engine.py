@@ -11,6 +11,7 @@ from typing import Sequence
 
 from transformers import PreTrainedModel
 
+from raysd.core.acceptance import parse_acceptance  # noqa: F401 - used and re-exported
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter
@@ -107,20 +108,6 @@ def tree_support_error(drafter: Drafter, verifier: TargetVerifier) -> str | None
     if not verifier.supports_trees:
         return "tree drafting needs the static runner for the target (a Llama-family model: llama, qwen2, mistral)"
     return None
-
-
-def parse_acceptance(rule: str) -> float | None:
-    """"exact" -> None; "relaxed:LAMBDA" -> LAMBDA in [0, 1]; anything else is a one-line error."""
-    if rule == "exact":
-        return None
-    kind, _, value = rule.partition(":")
-    try:
-        lam = float(value)
-    except ValueError:
-        lam = float("nan")
-    if kind != "relaxed" or not 0.0 <= lam <= 1.0:
-        raise ValueError(f"acceptance must be 'exact' or 'relaxed:LAMBDA' with LAMBDA in [0, 1], got {rule!r}")
-    return lam
 
 
 class LossyAcceptanceWarning(UserWarning):

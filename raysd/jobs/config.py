@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from raysd.engine.engine import parse_acceptance
-from raysd.models.loading import DEFAULT_MODEL, NGRAM, NO_DRAFT, _DTYPES  # NGRAM, NO_DRAFT: --draft values naming no model
+from raysd.core.acceptance import parse_acceptance
+from raysd.models.names import DEFAULT_MODEL, DTYPE_NAMES, NGRAM, NO_DRAFT, draft_kind  # NGRAM, NO_DRAFT: --draft values naming no model
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
@@ -85,7 +85,7 @@ class GenerateConfig:
         except ValueError as exc:
             raise JobError(f"--acceptance: {exc}") from None
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
-            need(dtype in _DTYPES, f"{flag} must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            need(dtype in DTYPE_NAMES, f"{flag} must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         k = self.num_speculative_tokens
         need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
         P = self.tree_budget
@@ -97,8 +97,6 @@ class GenerateConfig:
         need(self.draft_assist == "none" or self.draft_is_model,
              f"--draft-assist {self.draft_assist} needs a draft model (--draft MODEL), got --draft {self.draft}")
         need(self.draft_assist == "none" or not P, "--draft-assist drafts a chain: use --tree-budget 0")
-        from raysd.models.loading import draft_kind
-
         need(self.draft_assist == "none" or draft_kind(self.draft) != "eagle",
              f"--draft-assist {self.draft_assist} needs a draft model, not an EAGLE feature draft ({self.draft})")
         need(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")

@@ -279,8 +279,9 @@ class GenerateReplica:
     """The generation stage's callable class: Ray Data runs `--replicas` of these as a fixed
     actor pool. Each owns one `GenerationReplica` (a SpecCoordinator: a draft and a target
     actor in a placement group, plus the tokenizer, plus the RequestStream that keeps its
-    micro-batches full), created at its first batch with rows to generate, so a job with
-    nothing left to do loads no model.
+    micro-batches full), created when the actor starts if the job is fresh (`eager`: nothing in
+    the output yet, so its models load while Ray Data starts its other stages and reads), else at
+    its first batch with rows to generate, so a resumed job with nothing left to do loads no model.
 
     Ray Data runs up to CONCURRENT_BLOCKS_PER_REPLICA calls at once on each actor (threads);
     their rows share the replica's micro-batches. A batch of rows in, the same rows out in the
@@ -289,13 +290,14 @@ class GenerateReplica:
     """
 
     def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None,
-                 job_key: str | None = None):
+                 job_key: str | None = None, eager: bool = False):
         import threading
 
         self.cfg, self.schema, self.json_columns, self.stats = cfg, schema, json_columns, stats
         self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
         self.replica = None
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
+        self._start_error: BaseException | None = None
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         self.actor_id, self.tag = actor_id, actor_id[-8:] if actor_id else "0"
         # The job's end removes the placement groups its replica actors created (release_job); a
@@ -306,6 +308,16 @@ class GenerateReplica:
                 removed = remove_stale_placement_groups()
                 logger.warning("raysd: replica %s restarted; removed %d placement group(s) of its previous run",
                                self.tag, removed)
+        if eager:
+            # A fresh job has rows to generate: start the model actors now, while Ray Data starts
+            # its other stages and reads, rather than at the first block (the first call waits).
+            threading.Thread(target=self._start, name="raysd-replica-start", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            self._get_replica()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the first call, as a lazy start would
+            self._start_error = exc
 
     def _value(self, row: dict, name: str):
         value = row.get(name)
@@ -313,6 +325,8 @@ class GenerateReplica:
 
     def _get_replica(self):
         with self._replica_lock:
+            if self._start_error is not None:
+                raise self._start_error
             if self.replica is None:
                 self.replica = self._build_replica()
             return self.replica
@@ -583,7 +597,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
     _repartition_needs_no_cpu(ds)
     ds = ds.map_batches(
         GenerateReplica,
-        fn_constructor_args=(cfg, schema, source.json_columns, stats, job_key),
+        fn_constructor_args=(cfg, schema, source.json_columns, stats, job_key, not done),  # eager if fresh
         batch_format="pyarrow",
         batch_size=cfg.batch_size,
         # Several blocks inside each actor at once (threads), feeding its one stream: see GenerateReplica.

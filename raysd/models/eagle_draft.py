@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from raysd.models.layer_draft import RestrictedHead
+from raysd.models.names import EAGLE_CONFIG_FILE
 
-CONFIG_FILE = "raysd_eagle.json"
+CONFIG_FILE = EAGLE_CONFIG_FILE
 WEIGHTS_FILE = "eagle.safetensors"
 FORMAT = "raysd-eagle-draft/1"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -24,7 +24,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-CONFIG_FILE = "raysd_draft.json"
+from raysd.models.names import DRAFT_CONFIG_FILE
+
+CONFIG_FILE = DRAFT_CONFIG_FILE
 WEIGHTS_FILE = "draft.safetensors"
 FORMAT = "raysd-distilled-draft/1"
 _SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

