@@ -52,9 +52,10 @@ from raysd.actors.model_actors import (
     VerifyResult,
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
+from raysd.core.acceptance import parse_acceptance
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.engine import LossyAcceptanceWarning, check_adaptive_costs, check_tree_config, parse_acceptance
+from raysd.engine.engine import LossyAcceptanceWarning, check_adaptive_costs, check_tree_config
 from raysd.engine.rows import GenerationResult, Request, request_error
 from raysd.engine.step import RowLimits, StepOutcome
 from raysd.models.runners import check_runner_kind

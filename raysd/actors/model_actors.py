@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from raysd.core.acceptance import parse_acceptance
 from raysd.core.tree_shape import RANK_PRIOR
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
-from raysd.engine.engine import parse_acceptance
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, by_rank
 from raysd.engine.hierarchy import AssistedDraftModelDrafter, check_inner, profile_inner_costs
 from raysd.engine.rows import Request
@@ -277,7 +277,7 @@ class DraftActor:
 
 class TargetActor:
     """The target model, and per micro-batch its verifier with the rows' state (TargetSide).
-    `acceptance`: "exact" or "relaxed:LAMBDA" (raysd.engine.engine.parse_acceptance)."""
+    `acceptance`: "exact" or "relaxed:LAMBDA" (raysd.core.acceptance.parse_acceptance)."""
 
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact",
                  drafter: DrafterSpec | None = None):

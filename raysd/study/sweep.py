@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from raysd.core import theory
+from raysd.core.acceptance import parse_acceptance
 from raysd.core.sampling import SamplingParams
 from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, NoDrafter
-from raysd.engine.engine import EngineConfig, SpecEngine, parse_acceptance
+from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.rows import GenerationResult, Request
 from raysd.models.profile import median_time, time_forward
 from raysd.study.prompts import StudyPrompt
