@@ -18,11 +18,10 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from raysd.core.acceptance import parse_acceptance
 from raysd.core.tree_shape import RANK_PRIOR
@@ -40,7 +39,10 @@ from raysd.models.static_runner import supports_static
 from raysd.models.profile import time_forward, time_forward_upto
 from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
 
-ModelFactory = Callable[[], PreTrainedModel]  # picklable, e.g. functools.partial(load_model, spec)
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
+
+ModelFactory = Callable[[], "PreTrainedModel"]  # picklable, e.g. functools.partial(load_model, spec)
 
 
 class MicroBatchStateLost(RuntimeError):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
@@ -24,6 +23,9 @@ from raysd.models.features import EagleCausalLM
 from raysd.models.loading import output_vocab_size
 from raysd.models.runners import make_runner
 from raysd.models.static_runner import StaticModelRunner, prefill_groups
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,8 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from transformers import PreTrainedModel
 
 from raysd.core.acceptance import parse_acceptance
 from raysd.core.stats import SpecDecodeStats
@@ -22,6 +21,9 @@ from raysd.engine.verifier import TargetVerifier
 from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len
 from raysd.models.runners import check_runner_kind
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

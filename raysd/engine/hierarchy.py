@@ -40,10 +40,9 @@ so far), where a plain draft model reads nothing back while drafting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from transformers import PreTrainedModel
 
 from raysd.core.draws import counter_uniforms
 from raysd.core.rejection import rejection_sample
@@ -51,6 +50,9 @@ from raysd.core.sampling import SamplingTensors, logits_to_probs
 from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
 from raysd.models.profile import time_forward
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 INNER_SALT = 0x9E3779B9  # the `positions` key of the middle level's draws (any constant < 2^32)
 INNER_KINDS = ("none", "ngram")  # what may draft for the draft model: nothing (two levels), n-gram lookup

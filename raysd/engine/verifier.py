@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from raysd.core.rejection import RejectionOutput, draft_target_overlap, greedy_rejection_sample, rejection_sample
 from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
@@ -18,6 +17,9 @@ from raysd.engine.sequences import SequenceState
 from raysd.models.features import FeatureTap
 from raysd.models.runners import make_runner
 from raysd.models.static_runner import StaticModelRunner
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

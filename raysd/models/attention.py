@@ -21,14 +21,15 @@ config is restored afterwards, so the same model object still runs stock Hugging
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACKED_SDPA = "raysd_packed_sdpa"
 
@@ -45,6 +46,8 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
              or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
              or kwargs.get("softcap") is not None or kwargs.get("cache") is not None)
     if plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     assert H == key.shape[1] * groups and key.shape == value.shape[:-1] + (key.shape[-1],)
     folded = query.reshape(B, H // groups, groups * T, D)  # (B, Hkv, G*T, D): head kv*G + g, token t -> row g*T + t
@@ -53,8 +56,16 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, T, H, Dv)
 
 
-AttentionInterface.register(PACKED_SDPA, packed_gqa_attention)
-AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # the same masks as sdpa where the model builds its own
+@functools.cache
+def _register() -> None:
+    """Make PACKED_SDPA an attention implementation transformers knows; once per process, at the
+    first use rather than at import: transformers' attention and mask registries live in its
+    modeling stack (~2.5 s to import), which a process that only coordinates never loads."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # the same masks as sdpa where the model builds its own
 
 
 @contextmanager
@@ -66,6 +77,7 @@ def packed_gqa(model: PreTrainedModel) -> Iterator[None]:
     if config._attn_implementation != "sdpa" or heads == kv_heads:
         yield
         return
+    _register()
     config._attn_implementation = PACKED_SDPA
     try:
         yield

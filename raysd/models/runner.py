@@ -13,14 +13,17 @@ room for new ones.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 
 class ModelRunner:

@@ -11,12 +11,14 @@ forwards ran, in order, right-aligned: what a feature tap needs to tell the rows
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
-from transformers import PreTrainedModel
 
 from raysd.models.runner import ModelRunner
 from raysd.models.static_runner import StaticModelRunner, supports_static
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 RunnerKind = Literal["auto", "static", "dynamic"]
 RUNNER_KINDS: tuple[str, ...] = ("auto", "static", "dynamic")

@@ -26,16 +26,18 @@ models whose attention takes a 4D mask and a Cache (Llama, Qwen2, Mistral, SmolL
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
 from raysd.models.runner import right_aligned
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
 
 SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: K + 1, drafting: 1)
 # What one more prefill forward costs, in prompt tokens: SmolLM2-135M (fp32, two CPU cores) takes

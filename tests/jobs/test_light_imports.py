@@ -27,6 +27,23 @@ def test_pipeline_module_and_config_check_import_no_torch():
     assert out.stdout.strip() == "light", out.stdout
 
 
+COORDINATOR = """
+import sys
+import raysd.actors, raysd.engine.engine, raysd.jobs.replica
+print(",".join(m for m in ("transformers.modeling_utils", "transformers.masking_utils") if m in sys.modules) or "light")
+"""
+
+
+def test_a_replica_process_imports_no_modeling_stack():
+    """A replica's process runs the coordinator loop and the tokenizer: no model, so none of
+    transformers' modeling stack (~2.5 s to import on a 2-core machine, on the path to the first
+    token since the replica creates its model actors after its imports). Only the model actors
+    import it, when they load a model."""
+    out = subprocess.run([sys.executable, "-c", COORDINATOR], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "light", out.stdout
+
+
 def test_names_agree_with_the_loaders():
     from raysd.models import eagle_draft, layer_draft, loading, names
 
