@@ -40,13 +40,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from raysd.models.layer_draft import RestrictedHead
+from raysd.models.layer_draft import TORCH_DTYPES, RestrictedHead
 from raysd.models.names import EAGLE_CONFIG_FILE
 
 CONFIG_FILE = EAGLE_CONFIG_FILE
 WEIGHTS_FILE = "eagle.safetensors"
 FORMAT = "raysd-eagle-draft/1"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias",
                "rope_parameters", "rope_theta", "rope_scaling", "attention_dropout")
@@ -264,11 +263,11 @@ def save_eagle(draft: EagleDraft, path: str | Path, target_name: str, architectu
     """Write the draft's own tensors (safetensors) and its config (json) into directory `path`."""
     from safetensors.torch import save_file
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in draft.own_state_dict().items()}
+    tensors = {k: v.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous() for k, v in draft.own_state_dict().items()}
     ids = draft.head_token_ids
     if ids is not None:
         tensors["raysd.head_token_ids"] = ids.to("cpu", torch.int32).contiguous()
@@ -298,4 +297,4 @@ def load_eagle(path: str | Path, target, dtype: str = "float32", device: str = "
         raise ValueError(f"EAGLE draft {path} does not fit: missing {sorted(set(own) - set(tensors))[:3]}, "
                          f"unexpected {sorted(set(tensors) - set(own))[:3]}")
     draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    return draft.to(device=device, dtype=_DTYPES[dtype] if dtype != "float32" else torch.float32).eval()
+    return draft.to(device=device, dtype=TORCH_DTYPES[dtype]).eval()

@@ -24,12 +24,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from raysd.models.names import DRAFT_CONFIG_FILE
+from raysd.models.names import DRAFT_CONFIG_FILE, DTYPE_NAMES
 
 CONFIG_FILE = DRAFT_CONFIG_FILE
 WEIGHTS_FILE = "draft.safetensors"
 FORMAT = "raysd-distilled-draft/1"
-_SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # a dtype name (ModelSpec.dtype) -> torch dtype
 
 
 class RestrictedHead(nn.Module):
@@ -186,11 +186,11 @@ def save_draft(draft, path: str | Path, target_name: str, dtype: str = "bfloat16
     """Write the draft's own tensors (safetensors) and its config (json) into directory `path`."""
     from safetensors.torch import save_file
 
-    if dtype not in _SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", _SAVE_DTYPES[dtype]).contiguous() for k, v in own_state_dict(draft).items()}
+    tensors = {k: v.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous() for k, v in own_state_dict(draft).items()}
     ids = head_token_ids(draft)
     if ids is not None:
         tensors["raysd.head_token_ids"] = ids.to("cpu", torch.int32).contiguous()
@@ -229,7 +229,7 @@ def load_draft(path: str | Path, target, dtype: str = "float32", device: str = "
     ids = _read_tensors(path).get("raysd.head_token_ids")
     draft = build_draft(target, cfg.num_layers, cfg.init_layers, head_ids=None if ids is None else ids.long())
     load_own_weights(draft, path)
-    return draft.to(device=device, dtype={"float32": torch.float32, **_SAVE_DTYPES}[dtype]).eval()
+    return draft.to(device=device, dtype=TORCH_DTYPES[dtype]).eval()
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

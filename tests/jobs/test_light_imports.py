@@ -47,7 +47,7 @@ def test_a_replica_process_imports_no_modeling_stack():
 def test_names_agree_with_the_loaders():
     from raysd.models import eagle_draft, layer_draft, loading, names
 
-    assert tuple(loading._DTYPES) == names.DTYPE_NAMES
+    assert tuple(layer_draft.TORCH_DTYPES) == names.DTYPE_NAMES
     assert eagle_draft.CONFIG_FILE == names.EAGLE_CONFIG_FILE and layer_draft.CONFIG_FILE == names.DRAFT_CONFIG_FILE
     assert loading.draft_kind is names.draft_kind
     assert [names.draft_kind(n) for n in ("none", "ngram", loading.DEFAULT_DRAFT, loading.DEFAULT_EAGLE, "some/model")] == \
