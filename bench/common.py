@@ -120,13 +120,15 @@ def step_time(model, context: torch.Tensor, new_tokens: int = 1, reps: int = 7, 
     """Median seconds of one cached forward of `new_tokens` tokens per row after `context`."""
     from transformers import DynamicCache
 
+    from raysd.models.compat import cache_keyword
+
     cache = DynamicCache()
-    model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=context, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
     chunk = context[:, -new_tokens:]
     times = []
     for _ in range(warmup + reps):
         t0 = time.perf_counter()
-        model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=new_tokens)
+        model(input_ids=chunk, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=new_tokens)
         times.append(time.perf_counter() - t0)
         cache.crop(-new_tokens)
     return statistics.median(times[warmup:])

@@ -121,12 +121,14 @@ def step_cost(target, draft, context: Sequence[int], steps: int = 16, rounds: in
     DynamicCache for both), interleaved rounds, fastest round kept; and their ratio c."""
     from transformers import DynamicCache
 
+    from raysd.models.compat import cache_keyword
     from raysd.models.eagle_draft import crop_cache
 
     ids = torch.tensor([list(context)])
     L = ids.shape[1]
     tcache = DynamicCache()
-    out = target(ids, past_key_values=tcache, use_cache=True)
+    kw = cache_keyword(target)
+    out = target(ids, **{kw: tcache}, use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
     dcache = DynamicCache()
     H = draft.config.hidden_size
@@ -134,7 +136,7 @@ def step_cost(target, draft, context: Sequence[int], steps: int = 16, rounds: in
     feat = torch.randn(1, 1, H)
 
     def target_step():
-        target(tok, past_key_values=tcache, use_cache=True, position_ids=torch.tensor([[L]]))
+        target(tok, **{kw: tcache}, use_cache=True, position_ids=torch.tensor([[L]]))
         crop_cache(tcache, L)
 
     def draft_step():

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from raysd.models.compat import cache_keyword
 from raysd.models.layer_draft import TORCH_DTYPES, RestrictedHead
 from raysd.models.names import EAGLE_CONFIG_FILE
 
@@ -182,7 +183,7 @@ class EagleDraft(nn.Module):
         x = self.fc(torch.cat([self.embed_norm(emb), self.feature_norm(features.to(self.fc.weight.dtype))], dim=-1))
         mask = self.attention_mask(attention_mask, B, T, past, dev)
         pos = self.rotary_emb(x, position_ids)
-        out = self.layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
+        out = self.layer(x, attention_mask=mask, position_ids=position_ids, **{cache_keyword(self.layer): past_key_values},
                          use_cache=past_key_values is not None, position_embeddings=pos)
         return out[0] if isinstance(out, tuple) else out
 

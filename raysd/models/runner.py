@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from raysd.models.compat import cache_keyword
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
 
@@ -76,7 +77,7 @@ class ModelRunner:
                 input_ids=chunks,
                 attention_mask=mask.long(),
                 position_ids=positions,
-                past_key_values=self.cache,
+                **{cache_keyword(self.model): self.cache},
                 use_cache=True,
                 logits_to_keep=n,
             )

@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
+from raysd.models.compat import cache_keyword
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
 from raysd.models.runner import right_aligned
@@ -219,7 +220,7 @@ class StaticModelRunner:
                 input_ids=chunks,
                 attention_mask=self._mask(allowed[:, None]),
                 position_ids=positions.clamp(min=0),
-                past_key_values=cache,
+                **{cache_keyword(self.model): cache},
                 use_cache=True,
                 logits_to_keep=keep,
             )
