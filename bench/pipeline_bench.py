@@ -5,6 +5,10 @@ Both sides start from models on disk and no Ray work running: the bench starts o
 (its start-up is timed separately and left out of both), then for every variant
 - engine: load the target (and draft), `SpecEngine.generate` over every prompt with continuous
   batching at `max_batch_size = B`; timed from the load to the last token;
+- coordinator (`--sides` with `coordinator`): the pipeline's model actors without Ray Data: a
+  `SpecCoordinator` built as a job's replica builds it (the same actors, CPUs, micro-batch and
+  drafter), `generate` over every prompt; timed from its construction (actors started, models
+  loaded) to the last token. It tells the actor layer's cost apart from Ray Data's;
 - pipeline: `raysd.jobs.runner.generate` on the same prompts (a JSON Lines file of token-id prompts,
   so both decode exactly the same ids) at `--batch-size B`, fresh output directory; timed by the
   job's own summary (`wall_s`: reading, the model actors' start and load, generation, writing).
@@ -68,6 +72,31 @@ def run_engine(prompts: list[dict], draft: str, k: int, batch: int, max_new: int
             "rows": {r.request_id: list(r.token_ids) for r in results}}
 
 
+def run_coordinator(prompts: list[dict], draft: str, k: int, batch: int, max_new: int) -> dict:
+    import functools
+
+    from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
+    from raysd.jobs.config import GenerateConfig
+
+    assert k != "auto", "the coordinator side runs a fixed K"
+    job = GenerateConfig(input="-", output="-", draft=draft).resolve_actor_cpus(os.cpu_count())  # as the replica's
+    cpus, gpus = job.actor_cpus, job.num_gpus_per_actor
+    model = draft not in ("none", "ngram")
+    t0 = time.perf_counter()
+    eos = eos_token_ids(load_model(ModelSpec()))  # as the replica reads them; 0.1 s from the GGUF cache
+    cfg = CoordinatorConfig(num_speculative_tokens=k, micro_batch_size=batch, num_micro_batches=1, eos_token_ids=eos,
+                            target_resources=ActorResources(num_cpus=cpus[0], num_gpus=gpus),
+                            draft_resources=ActorResources(num_cpus=cpus[1], num_gpus=gpus if model else 0), measure_bytes=False)
+    drafter = DrafterSpec(functools.partial(load_model, ModelSpec(draft)) if model else None)
+    with SpecCoordinator(functools.partial(load_model, ModelSpec()), drafter, cfg) as coordinator:
+        loaded = time.perf_counter()
+        out = coordinator.generate([Request(str(p["row"]), p["ids"], SamplingParams(max_new_tokens=max_new)) for p in prompts])
+    end = time.perf_counter()
+    tokens = sum(len(r.token_ids) for r in out.results)
+    return {"wall_s": end - t0, "load_s": loaded - t0, "target_busy_s": out.report.target_busy_s, "tokens": tokens,
+            "tok_s": tokens / (end - t0), "rows": {str(r.request_id): list(r.token_ids) for r in out.results}}
+
+
 def actor_cpus(draft: str) -> float:
     """The target actor's CPUs under `raysd generate`'s default (`--num-cpus-per-actor auto` on a
     Ray it starts here): the engine runs as many torch threads, so both sides get the same cores.
@@ -102,7 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="8,32")
     p.add_argument("--drafters", default="none,ngram",
                    help="variants: none, ngram (K = 4), ngram:K, ngram:auto, or a draft model's name with :K or :auto")
-    p.add_argument("--sides", default="engine,pipeline", help="engine,pipeline (both: the ratio) or one of them")
+    p.add_argument("--sides", default="engine,pipeline",
+                   help="engine,pipeline (both: the ratio) or one of them; add coordinator for the actors without Ray Data")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--shortest", action="store_true",
                    help="the N shortest prompts of all 480 rather than the first N/6 of each task: less prefill (the same "
@@ -147,8 +177,12 @@ def main(argv=None) -> int:
                 draft, k = parse_variant(variant)
                 torch.set_num_threads(int(actor_cpus(draft)))  # as the target actor runs
                 for side in (sides if rep % 2 == 0 else sides[::-1]):
-                    r = run_engine(prompts, draft, k, b, a.max_new_tokens) if side == "engine" else \
-                        run_pipeline(prompt_file, draft, k, b, a.max_new_tokens, workdir)
+                    if side == "engine":
+                        r = run_engine(prompts, draft, k, b, a.max_new_tokens)
+                    elif side == "coordinator":
+                        r = run_coordinator(prompts, draft, k, b, a.max_new_tokens)
+                    else:
+                        r = run_pipeline(prompt_file, draft, k, b, a.max_new_tokens, workdir)
                     r["loadavg"] = loadavg()
                     all_runs[variant][side].append(r)
                     print(json.dumps({"batch": b, "variant": variant, "side": side, "repeat": rep,
@@ -170,7 +204,14 @@ def main(argv=None) -> int:
                             "pipeline_tokens": pipe[0]["tokens"], "pipeline_errors": pipe[0]["errors"],
                             "occupancy": pipe[0]["occupancy"], "time_breakdown": pipe[0]["time_breakdown"],
                             "pipeline_rows": {k_: v for k_, v in pipe[0]["rows"].items()}})
-            if len(runs) == 2:
+            if "coordinator" in runs:
+                co = runs["coordinator"]
+                row.update({"coordinator_tok_s": median([r["tok_s"] for r in co]), "coordinator_wall_s": median([r["wall_s"] for r in co]),
+                            "coordinator_target_busy_s": median([r["target_busy_s"] for r in co])})
+                if "engine" in runs:  # back-to-back pairs, as the repeats ran
+                    row["coordinator_vs_engine"] = median([c["tok_s"] / e["tok_s"] for c, e in zip(co, runs["engine"])])
+                    row["coordinator_rows_mismatched"] = sum(co[0]["rows"].get(i) != t for i, t in runs["engine"][0]["rows"].items())
+            if "engine" in runs and "pipeline" in runs:
                 rows_e, rows_p = runs["engine"][0]["rows"], runs["pipeline"][0]["rows"]
                 row["rows_missing"] = len(set(rows_e) - set(rows_p))
                 row["rows_mismatched"] = sum(rows_p.get(i) != t for i, t in rows_e.items())
@@ -197,7 +238,8 @@ def main(argv=None) -> int:
         f = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
         print(f"{r['batch']:>3} {r['draft']:>6} {r['k']!s:>4} {f('engine_tok_s', '.1f'):>12} {f('engine_tok_s_generate', '.1f'):>10} "
               f"{f('pipeline_tok_s', '.1f'):>14} {f('pipeline_vs_engine', '.2f'):>6} {f('occupancy', '.2f'):>5} {f('rows_mismatched', 'd'):>8} "
-              f"{f('pipeline_vs_first', '.3f'):>8} {(r.get('time_breakdown') or {}).get('drafted_steps')!s:>7}")
+              f"{f('pipeline_vs_first', '.3f'):>8} {(r.get('time_breakdown') or {}).get('drafted_steps')!s:>7}"
+              + (f"  coordinator {f('coordinator_tok_s', '.1f')} tok/s = {f('coordinator_vs_engine', '.3f')} x engine" if "coordinator_tok_s" in r else ""))
     return 0
 
 
