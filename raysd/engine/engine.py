@@ -9,7 +9,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-
 from raysd.core.acceptance import parse_acceptance
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.adaptive import AdaptiveConfig, KController

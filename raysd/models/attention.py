@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # light: not the modeling stack
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -46,8 +47,6 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
              or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
              or kwargs.get("softcap") is not None or kwargs.get("cache") is not None)
     if plain:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     assert H == key.shape[1] * groups and key.shape == value.shape[:-1] + (key.shape[-1],)
     folded = query.reshape(B, H // groups, groups * T, D)  # (B, Hkv, G*T, D): head kv*G + g, token t -> row g*T + t

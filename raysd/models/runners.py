@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, Union
 
-
 from raysd.models.runner import ModelRunner
 from raysd.models.static_runner import StaticModelRunner, supports_static
 
