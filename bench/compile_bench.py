@@ -2,9 +2,12 @@
 
 SmolLM2-135M (fp32), B rows holding a Spec-Bench-like context of `--context` tokens; the
 step is one StaticModelRunner forward of T tokens per row (T = 1: a draft or plain decode
-step; T = K + 1: a verification). Eager and inductor-compiled (`torch.compile(model,
-dynamic=False)`, one graph per (B, T, attended width)) steps are timed A/B, interleaved,
-medians of `--reps`; the lengths are rolled back after each step so every step sees the
+step; T = K + 1: a verification). Three sides are timed interleaved, medians of `--reps`: `eager`
+(the engine's default: raysd's prepacked linear kernels, raysd.models.linear), `stock` (eager
+with PyTorch's own `F.linear`) and `compiled` (`StaticModelRunner(compile=True)`: inductor,
+`torch.compile(model, dynamic=False)`, one graph per (B, T, attended width), its own kernels);
+with `--freezing` a fourth, `frozen`: the same with Inductor's freezing (weights folded in as
+constants and prepacked for oneDNN, as raysd's eager kernels are); the lengths are rolled back after each step so every step sees the
 same context. Compile time is reported apart.
 
     python bench/compile_bench.py                 # the documented run (docs/benchmarks.md)
@@ -38,6 +41,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile_bench.json"))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--freezing", action="store_true", help="add the side `frozen`: Inductor with freezing=True")
     a = p.parse_args()
     if a.quick:
         a.batch_sizes, a.widths, a.reps, a.context = "1", "1", 3, 32
@@ -47,14 +51,18 @@ def parse_args():
     return a
 
 
-def prefilled(model, B, context, compiled):
-    runner = StaticModelRunner(model, max_cache_len=2 * context)
+SIDES = {"eager": {}, "stock": {"linear_kernels": "stock"}, "compiled": {"compile": True}}
+
+
+def prefilled(model, B, context, side):
+    runner = StaticModelRunner(model, max_cache_len=2 * context, **SIDES.get(side, SIDES["compiled"]))
     runner.add_rows(B)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 1000, (B, context), generator=g)
+    call = torch.compile(model, dynamic=False, options={"freezing": True}) if side == "frozen" else runner._model_call
+    runner._model_call = model  # prefill eager: only the decode shapes are compiled
     runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(B, dtype=torch.int64), max_logits=1)
-    if compiled:  # prefill eager; only the decode shapes are compiled
-        runner._model_call = torch.compile(model, dynamic=False)
+    runner._model_call = call
     return runner
 
 
@@ -62,10 +70,11 @@ def main():
     a = parse_args()
     torch.set_num_threads(a.threads)
     model = load_model(ModelSpec())
+    sides = list(SIDES) + (["frozen"] if a.freezing else [])
     rows = []
     for B in a.batch_sizes:
         for T in a.widths:
-            runners = {"eager": prefilled(model, B, a.context, False), "compiled": prefilled(model, B, a.context, True)}
+            runners = {side: prefilled(model, B, a.context, side) for side in sides}
             ids = torch.randint(3, 1000, (B, T), generator=torch.Generator().manual_seed(1))
             valid, num = torch.ones_like(ids, dtype=torch.bool), torch.full((B,), T)
             back = torch.full((B,), a.context)
@@ -77,9 +86,12 @@ def main():
                 r.rollback(back, a.context)
                 return dt
 
-            t0 = time.perf_counter()
-            step(runners["compiled"])  # compiles
-            compile_s = time.perf_counter() - t0
+            compile_s = {}
+            for side in runners:
+                if side in ("compiled", "frozen"):
+                    t0 = time.perf_counter()
+                    step(runners[side])  # compiles
+                    compile_s[side] = time.perf_counter() - t0
             for r in runners.values():  # warm-up
                 step(r)
             times = {k: [] for k in runners}
@@ -89,13 +101,17 @@ def main():
                     times[k].append(step(r))
             with torch.inference_mode():  # same logits
                 out = {k: r.forward(ids, valid, num, max_logits=T) for k, r in runners.items()}
-            err = float((out["eager"] - out["compiled"]).abs().max())
+            err = max(float((out["eager"] - o).abs().max()) for o in out.values())
             med = {k: statistics.median(v) for k, v in times.items()}
-            row = {"B": B, "T": T, "eager_ms": med["eager"] * 1e3, "compiled_ms": med["compiled"] * 1e3,
-                   "speedup": med["eager"] / med["compiled"], "compile_s": compile_s, "max_abs_logit_diff": err, "loadavg": la}
+            row = {"B": B, "T": T, **{f"{k}_ms": med[k] * 1e3 for k in sides},
+                   "speedup": med["eager"] / med["compiled"], "speedup_vs_stock": med["stock"] / med["compiled"],
+                   **({"speedup_frozen": med["eager"] / med["frozen"]} if "frozen" in med else {}),
+                   "compile_s": compile_s["compiled"], "compile_s_all": compile_s, "max_abs_logit_diff": err, "loadavg": la}
             rows.append(row)
-            print(f"B={B} T={T}: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} ms "
-                  f"(x{row['speedup']:.2f}), compile {compile_s:.0f} s, max |dlogit| {err:.1e}, load {la}", flush=True)
+            print(f"B={B} T={T}: eager {row['eager_ms']:.1f} ms, stock {row['stock_ms']:.1f} ms, compiled "
+                  f"{row['compiled_ms']:.1f} ms (x{row['speedup']:.2f} of eager, x{row['speedup_vs_stock']:.2f} of stock)"
+                  + (f", frozen {row['frozen_ms']:.1f} ms (x{row['speedup_frozen']:.2f} of eager)" if "frozen" in med else "")
+                  + f", compile {compile_s}, max |dlogit| {err:.1e}, load {la}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"machine": machine(), "args": vars(a), "rows": rows, "loadavg_end": loadavg()}, indent=1))
     print(f"wrote {a.out}")

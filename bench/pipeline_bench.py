@@ -139,6 +139,12 @@ def main(argv=None) -> int:
                         "work on both sides), so the decoding loop, where the two differ, weighs more")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_bench.json"))
     a = p.parse_args(argv)
+    sides = a.sides.split(",")
+    # Refuse before any model loads: the engine and coordinator sides run a fixed K.
+    fixed_only = [side for side in sides if side in ("engine", "coordinator")]
+    auto = [v for v in a.drafters.split(",") if parse_variant(v)[1] == "auto"]
+    if fixed_only and auto:
+        p.error(f"the {' and '.join(fixed_only)} side(s) run a fixed K: drop {', '.join(auto)} or use --sides pipeline")
 
     import ray
 
@@ -167,7 +173,6 @@ def main(argv=None) -> int:
             "prompt_tokens_mean": sum(len(q["ids"]) for q in prompts) / len(prompts), "loadavg_start": loadavg()}
     print(json.dumps(info), flush=True)
     results = []
-    sides = a.sides.split(",")
     for b in [int(x) for x in a.batch_sizes.split(",")]:
         variants = a.drafters.split(",")
         all_runs = {v: {side: [] for side in sides} for v in variants}
