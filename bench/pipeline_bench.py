@@ -4,7 +4,9 @@ prompts, same batch size, same drafter, SmolLM2-135M-Instruct on this CPU, greed
 Both sides start from models on disk and no Ray work running: the bench starts one local Ray first
 (its start-up is timed separately and left out of both), then for every variant
 - engine: load the target (and draft), `SpecEngine.generate` over every prompt with continuous
-  batching at `max_batch_size = B`; timed from the load to the last token;
+  batching at `max_batch_size = B`; timed from the load to the last token; with an auto K
+  (`ngram:auto`), as a replica runs `-k auto`: K chosen each step from step costs profiled in
+  process once per machine (cached as the replica's are; the first run pays the profiling);
 - coordinator (`--sides` with `coordinator`): the pipeline's model actors without Ray Data: a
   `SpecCoordinator` built as a job's replica builds it (the same actors, CPUs, micro-batch and
   drafter), `generate` over every prompt; timed from its construction (actors started, models
@@ -34,9 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_prompts, loadavg, machine, median  # noqa: E402
 
 from raysd.core.sampling import SamplingParams  # noqa: E402
+from raysd.engine.adaptive import AdaptiveConfig, profile_step_costs  # noqa: E402
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
 from raysd.engine.rows import Request  # noqa: E402
+from raysd.jobs.config import AUTO_MAX_K  # noqa: E402
+from raysd.jobs.profiles import cached_step_costs  # noqa: E402
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer  # noqa: E402
 
 
@@ -48,18 +53,25 @@ def parse_variant(text: str) -> tuple[str, int | str]:
     return draft, (k if k == "auto" else int(k or 4))
 
 
-def run_engine(prompts: list[dict], draft: str, k: int, batch: int, max_new: int) -> dict:
-    assert k != "auto", "the engine side runs a fixed K (use --sides pipeline for auto)"
+def run_engine(prompts: list[dict], draft: str, k: int | str, batch: int, max_new: int) -> dict:
     t0 = time.perf_counter()
     target = load_model(ModelSpec())
     vocab = target.get_output_embeddings().weight.shape[0]
+    draft_model = None
     if draft == "none":
         drafter = NoDrafter(vocab)
     elif draft == "ngram":
         drafter = NgramDrafter(vocab)
     else:  # a draft model by name or path (e.g. smollm2-135m-instruct-draft, the shipped distilled draft)
-        drafter = DraftModelDrafter(load_model(ModelSpec(draft)), vocab)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch,
+        draft_model = load_model(ModelSpec(draft))
+        drafter = DraftModelDrafter(draft_model, vocab)
+    adaptive = None
+    if k == "auto":  # as a replica under `-k auto`: step costs profiled once per machine, K chosen each step
+        k = AUTO_MAX_K
+        key = {"side": "bench engine", "draft": draft, "k_max": k, "batch_sizes": sorted({1, batch}), "context": 64, "reps": 2}
+        costs, _ = cached_step_costs(key, lambda: profile_step_costs(target, draft_model, k, sorted({1, batch}), context=64, reps=2))
+        adaptive = AdaptiveConfig(costs)
+    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch, adaptive=adaptive,
                                                       eos_token_ids=eos_token_ids(target)))
     loaded = time.perf_counter()
     params = SamplingParams(max_new_tokens=max_new)
@@ -140,11 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_bench.json"))
     a = p.parse_args(argv)
     sides = a.sides.split(",")
-    # Refuse before any model loads: the engine and coordinator sides run a fixed K.
-    fixed_only = [side for side in sides if side in ("engine", "coordinator")]
+    # Refuse before any model loads: the coordinator side runs a fixed K.
     auto = [v for v in a.drafters.split(",") if parse_variant(v)[1] == "auto"]
-    if fixed_only and auto:
-        p.error(f"the {' and '.join(fixed_only)} side(s) run a fixed K: drop {', '.join(auto)} or use --sides pipeline")
+    if "coordinator" in sides and auto:
+        p.error(f"the coordinator side runs a fixed K: drop {', '.join(auto)} or that side")
 
     import ray
 

@@ -414,10 +414,13 @@ STAGE_SECONDS = (("start", "start_s"), ("read", "read_s"), ("tokenize", "tokeniz
 
 
 def time_breakdown(totals: dict) -> dict:
-    """{stage: seconds} (STAGE_SECONDS) plus `occupancy`: mean rows in the micro-batches over the
-    engine steps / the replica's slots, and `drafted_steps`: the fraction of engine steps that
-    drafted (both None before the first step), from JobStats totals."""
+    """{stage: seconds} (STAGE_SECONDS) plus `engine_loop`: the replicas' step loops at work (idle
+    excluded), so that engine_loop - verify - draft (a colocated drafter's; a draft actor's overlaps)
+    is what the actor round trips and the loop's own work cost; `engine_idle`; `occupancy`: mean rows
+    in the micro-batches over the engine steps / the replica's slots; and `drafted_steps`: the
+    fraction of engine steps that drafted (both None before the first step), from JobStats totals."""
     out = {name: round(float(totals.get(key, 0.0)), 3) for name, key in STAGE_SECONDS}
+    out["engine_loop"] = round(float(totals.get("wall_s", 0.0)), 3)
     out["engine_idle"] = round(float(totals.get("engine_idle_s", 0.0)), 3)
     out["occupancy"] = occupancy(totals)
     # Engine steps the draft actor proposed for; the rest had K = 0 (plain decoding, or `-k auto`

@@ -20,12 +20,12 @@ STAGES = [name for name, _ in STAGE_SECONDS]
 
 def test_breakdown_from_job_stats():
     totals = {"start_s": 4.0, "read_s": 0.5, "tokenize_s": 0.25, "queue_wait_s": 3.0, "draft_busy_s": 1.0, "target_busy_s": 9.0,
-              "detokenize_s": 0.2, "write_s": 0.3, "engine_idle_s": 0.1, "active_rows": 90, "slot_steps": 100,
+              "detokenize_s": 0.2, "write_s": 0.3, "wall_s": 9.5, "engine_idle_s": 0.1, "active_rows": 90, "slot_steps": 100,
               "engine_steps": 25, "draft_steps": 5}
     assert STAGES == ["start", "read", "tokenize", "queue_wait", "draft", "verify", "detokenize", "write"]
     got = time_breakdown(totals)
     assert got == {"start": 4.0, "read": 0.5, "tokenize": 0.25, "queue_wait": 3.0, "draft": 1.0, "verify": 9.0, "detokenize": 0.2,
-                   "write": 0.3, "engine_idle": 0.1, "occupancy": 0.9, "drafted_steps": 0.2}
+                   "write": 0.3, "engine_loop": 9.5, "engine_idle": 0.1, "occupancy": 0.9, "drafted_steps": 0.2}
     assert occupancy({}) is None and time_breakdown({})["occupancy"] is None and time_breakdown({})["drafted_steps"] is None
     assert breakdown_text(totals) == ("; occupancy 0.90; s: start 4.0 read 0.5 tokenize 0.2 queue_wait 3.0 draft 1.0 verify 9.0 "
                                       "detokenize 0.2 write 0.3")
@@ -54,7 +54,8 @@ def test_replica_keeps_its_batch_full_across_blocks(tmp_path, model_dirs, local_
     assert summary.rows == n and summary.rows_failed == 0
     tb = summary.time_breakdown
     print("occupancy", summary.occupancy, tb)
-    assert set(tb) == {*STAGES, "engine_idle", "occupancy", "drafted_steps"} and tb["occupancy"] == summary.occupancy
+    assert set(tb) == {*STAGES, "engine_loop", "engine_idle", "occupancy", "drafted_steps"} and tb["occupancy"] == summary.occupancy
+    assert tb["engine_loop"] >= tb["verify"]  # the loop waits for every step it runs
     assert summary.occupancy > 0.6
     assert tb["verify"] > 0 and tb["draft"] > 0 and tb["read"] > 0 and tb["write"] > 0 and tb["queue_wait"] > 0
     written = json.loads((tmp_path / "out" / "_summary.json").read_text())
