@@ -2,13 +2,13 @@
 
 SmolLM2-135M (fp32), B rows holding a Spec-Bench-like context of `--context` tokens; the
 step is one StaticModelRunner forward of T tokens per row (T = 1: a draft or plain decode
-step; T = K + 1: a verification). Three sides are timed interleaved, medians of `--reps`: `eager`
-(the engine's default: raysd's prepacked linear kernels, raysd.models.linear), `stock` (eager
-with PyTorch's own `F.linear`) and `compiled` (`StaticModelRunner(compile=True)`: inductor,
-`torch.compile(model, dynamic=False)`, one graph per (B, T, attended width), its own kernels);
-with `--freezing` a fourth, `frozen`: the same with Inductor's freezing (weights folded in as
-constants and prepacked for oneDNN, as raysd's eager kernels are); the lengths are rolled back after each step so every step sees the
-same context. Compile time is reported apart.
+step; T = K + 1: a verification). Three sides are timed interleaved, medians of `--reps`:
+`eager` (the engine's default: raysd's prepacked linear kernels, raysd.models.linear), `stock`
+(eager with PyTorch's own `F.linear`) and `compiled` (`StaticModelRunner(compile=True)`:
+Inductor, `torch.compile(model, dynamic=False)`, one graph per (B, T, attended width), its own
+kernels); with `--freezing` a fourth, `frozen`: the same with Inductor's freezing (weights folded
+in as constants and prepacked for oneDNN, as raysd's eager kernels are). The lengths are rolled
+back after each step so every step sees the same context. Compile time is reported apart.
 
     python bench/compile_bench.py                 # the documented run (docs/benchmarks.md)
     python bench/compile_bench.py --quick
@@ -51,11 +51,12 @@ def parse_args():
     return a
 
 
-SIDES = {"eager": {}, "stock": {"linear_kernels": "stock"}, "compiled": {"compile": True}}
+# Each side's StaticModelRunner options; "frozen" (--freezing) swaps in its own compiled call below.
+SIDES = {"eager": {}, "stock": {"linear_kernels": "stock"}, "compiled": {"compile": True}, "frozen": {"compile": True}}
 
 
 def prefilled(model, B, context, side):
-    runner = StaticModelRunner(model, max_cache_len=2 * context, **SIDES.get(side, SIDES["compiled"]))
+    runner = StaticModelRunner(model, max_cache_len=2 * context, **SIDES[side])
     runner.add_rows(B)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 1000, (B, context), generator=g)
@@ -70,7 +71,7 @@ def main():
     a = parse_args()
     torch.set_num_threads(a.threads)
     model = load_model(ModelSpec())
-    sides = list(SIDES) + (["frozen"] if a.freezing else [])
+    sides = [side for side in SIDES if side != "frozen" or a.freezing]
     rows = []
     for B in a.batch_sizes:
         for T in a.widths:
