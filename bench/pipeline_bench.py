@@ -79,8 +79,10 @@ def run_engine(prompts: list[dict], draft: str, k: int | str, batch: int, max_ne
         results = engine.generate([Request(str(p["row"]), p["ids"], params) for p in prompts])
     end = time.perf_counter()
     tokens = sum(len(r.token_ids) for r in results)
+    t = engine.timings  # occupancy as the pipeline's summary counts it: rows decoded / (steps x batch size)
     return {"wall_s": end - t0, "load_s": loaded - t0, "generate_s": end - loaded, "tokens": tokens,
-            "tok_s": tokens / (end - t0), "tok_s_generate": tokens / (end - loaded),
+            "tok_s": tokens / (end - t0), "tok_s_generate": tokens / (end - loaded), "steps": t.steps,
+            "occupancy": round(t.row_steps / (t.steps * batch), 4) if t.steps else None, "prefill_s": t.prefill_s,
             "rows": {r.request_id: list(r.token_ids) for r in results}}
 
 
