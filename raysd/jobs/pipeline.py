@@ -615,11 +615,12 @@ def batch_blocks(ds, batch_size: int):
     """Blocks of exactly `batch_size` rows, the last one excepted (streaming, no shuffle): one
     generation task each, spread over the replicas, whatever the input's files and blocks are.
 
-    `strict=True`: Ray's default (best effort) leaves one short block per input block. An input
-    read as blocks of 35 rows gave the generation stage blocks of 8, 8, 8, 8 and 3 rows, so a
-    replica's CONCURRENT_BLOCKS_PER_REPLICA calls at times held too few rows to fill its batch:
-    occupancy 0.89 where the engine had 0.93, 4% more steps for the same tokens (docs/benchmarks.md,
-    Benchmark 6). Strict blocks combine rows across input blocks, in order."""
+    `strict=True`: Ray's default (best effort) leaves one short block per input block (an input
+    block of 35 rows becomes 8, 8, 8, 8 and 3; a 64-prompt job's generation stage got blocks of
+    3 and 2 rows among its 8s), so a replica's CONCURRENT_BLOCKS_PER_REPLICA calls at times held
+    too few rows to fill its batch: occupancy 0.89 where the engine had 0.93, 4% more steps for
+    the same tokens (docs/benchmarks.md, Benchmark 6). Strict blocks combine rows across input
+    blocks, in order."""
     ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
     _repartition_needs_no_cpu(ds)
     return ds

@@ -72,9 +72,9 @@ def test_replica_keeps_its_batch_full_across_blocks(tmp_path, model_dirs, local_
 
 
 def test_generation_blocks_hold_a_whole_batch_whatever_the_input_blocks(local_ray):
-    """Input blocks of 5 rows, batch size 8: the generation stage gets blocks of exactly 8 rows (the
-    last one excepted), in input order. Ray's best-effort default left a short block per input
-    block (8, 3 from a block of 11...), and a replica fed short blocks ran with empty slots."""
+    """Input blocks of 4-5 rows, batch size 8: the generation stage gets blocks of exactly 8 rows
+    (the last one excepted), in input order. Ray's best-effort default leaves a short block per
+    input block, and a replica fed short blocks ran with empty slots."""
     import ray
 
     from raysd.jobs.pipeline import batch_blocks
