@@ -1,6 +1,7 @@
 """Soak: many rows through tiny random models, memory and throughput sampled over the run.
 
     python bench/soak.py --rows 20000 --json bench/results/soak.json
+    python -m bench run soak --rows 20000      # the same, in the benchmarks' result format (bench/scenarios/soak.py)
 
 Runs one `raysd.jobs.generate` job on a local Ray it starts (address="local") and, every
 --sample-s seconds, records the RSS of the driver and of every process of that Ray (grouped
@@ -193,12 +194,12 @@ def main(argv=None) -> dict:
                                 "rows_per_s": (inside[-1]["rows"] - inside[0]["rows"]) / dt})
     result = {
         "rows": a.rows, "rows_out": len(out), "unique_ids": len(set(out)), "wall_s": wall,
-        "generated_tokens": summary.generated_tokens, "tokens_per_s": summary.tokens_per_s,
+        "generated_tokens": summary.generated_tokens, "tokens_per_s": summary.latest_run.tokens_per_s,
         "config": {k: getattr(cfg, k) for k in ("max_new_tokens", "batch_size", "rows_per_file", "replicas")} | {"draft": a.draft},
         "samples": len(samples), "sample_s": a.sample_s, "rss": per_class, "windows": windows,
         "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "series": samples,
     }
-    print(f"soak: {len(out)} rows ({len(set(out))} unique) in {wall:.0f}s, {summary.tokens_per_s:.1f} tok/s overall")
+    print(f"soak: {len(out)} rows ({len(set(out))} unique) in {wall:.0f}s, {summary.latest_run.tokens_per_s:.1f} tok/s overall")
     for c, r in per_class.items():
         slope, late = r["slope_bytes_per_row"], r.get("second_half_slope_bytes_per_row")
         print(f"  {c:14s} RSS start {r['start_mib']:7.1f} end {r['end_mib']:7.1f} max {r['max_mib']:7.1f} MiB; "

@@ -68,6 +68,48 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="session")
+def shared_ray(tmp_path_factory):
+    """One local Ray for the whole session, started by the first module that asks for it and
+    shared by every later one (a Ray start and shutdown cost seconds per module). A module that
+    needs a Ray of its own (a multi-node cluster, other settings) shuts this one down; the next
+    module that asks starts it again. Replicas with a draft model cache step costs in
+    RAYSD_CACHE_DIR: a fresh directory, set before Ray starts so that its workers inherit it."""
+    import ray
+
+    from raysd.actors.local import start_local_ray
+
+    def ensure() -> None:
+        if not ray.is_initialized():
+            os.environ.setdefault("RAYSD_CACHE_DIR", str(tmp_path_factory.mktemp("raysd-cache")))
+            # address="local" (start_local_ray): a fresh Ray even when /tmp/ray records a stale
+            # `ray start` head, which a plain ray.init(num_cpus=...) would try to join (and fail).
+            start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
+
+    yield ensure
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def own_ray(**init_kwargs) -> None:
+    """A local Ray of the caller's own settings (start_local_ray's arguments): the session's
+    shared one, if up, is shut down first (the next module that asks for it starts it again)."""
+    import ray
+
+    from raysd.actors.local import start_local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(log_to_driver=False, configure_logging=False, **init_kwargs)
+
+
+@pytest.fixture(scope="module")
+def local_ray(shared_ray):
+    """The session's local Ray (`shared_ray`), running for the module that asks for it."""
+    shared_ray()
+    yield
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The embedded default target (fp32), loaded once per test session."""
     from raysd.models.loading import ModelSpec, load_model, load_tokenizer

@@ -1,24 +1,23 @@
 """Draft and target in two Ray actors, drafting overlapped with batched verification.
 
-The rows are split into micro-batches. Each micro-batch alternates draft -> verify,
-and the coordinator keeps every micro-batch in flight, so with two of them the
-actors run as a two-stage pipeline:
+The rows are split into micro-batches. Each micro-batch alternates draft -> verify, and the
+coordinator keeps every micro-batch in flight, so with two of them the actors run as a
+two-stage pipeline:
 
     draft   | A1 | B1 | A2 | B2 | ...
     target  |    | A1 | B1 | A2 | ...
 
-The actors run the engine's own step, halved (raysd.engine.step): the draft actor's
-DraftSide proposes, the target actor's TargetSide verifies, emits, rolls back and
-retires finished rows, and keeps the rows' state (budgets, stop sets, statistics)
-beside the target model. The proposal goes from the draft actor to the target actor
-as an ObjectRef argument (object store; never through the coordinator); the target's
-StepOutcome comes back here and rides on the micro-batch's next draft call. The
-coordinator only admits rows, collects finished ones, chooses K and recovers from
-actor failures. Draws are keyed by (seed, tokens generated), so the same seeds give
-the same tokens as SpecEngine.
+A step of micro-batch A is one call to each actor (raysd.actors.model_actors): the draft actor
+applies A's last verdict, admits its new rows, chooses the step's plan (its K controller pools
+the evidence of every verdict) and proposes; the proposal goes straight to the target actor as
+an ObjectRef argument (object store; never through the coordinator), which runs the engine's
+own step (raysd.engine.step.speculative_step) and returns the verdict here. The coordinator
+only admits rows (raysd.engine.requests.Admission), forwards each verdict to the draft with the
+micro-batch's next call, hands finished rows back, and recovers from actor failures. Draws are
+keyed by (seed, tokens generated), so the same seeds give the same tokens as SpecEngine.
 
-A model-free drafter (n-gram lookup, or none) has no model to overlap, so it runs inside
-the target actor (DrafterSpec.colocated): one actor, one call per step, no draft actor.
+A model-free drafter (n-gram lookup, or none) has no model to overlap, so it runs inside the
+target actor (DrafterSpec.colocated): one actor, one call per several steps, no draft actor.
 """
 
 from __future__ import annotations
@@ -29,39 +28,35 @@ import queue
 import threading
 import time
 import uuid
-import warnings
+from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayChannelError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raysd.actors.local import exit_when_orphaned
 from raysd.actors.model_actors import (
     ActorInfo,
     DraftActor,
     DrafterSpec,
     MicroBatchStateLost,
-    MicroBatchUpdate,
     ModelFactory,
+    StepCall,
     TargetActor,
-    VerifyResult,
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
-from raysd.core.acceptance import parse_acceptance
-from raysd.core.stats import SpecDecodeStats
-from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts
-from raysd.engine.engine import LossyAcceptanceWarning, check_adaptive_costs, check_tree_config
-from raysd.engine.rows import GenerationResult, Request, request_error
-from raysd.engine.step import RowLimits, StepOutcome
-from raysd.models.runners import check_runner_kind
+from raysd.core.speculation import SpeculationConfig, StepCosts
+from raysd.engine.batch import Verdict
+from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
+from raysd.engine.step import StepTimings
+from raysd.models.runner import check_runner_kind
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DRAFT_BACKLOG = 32  # K = 0 steps whose draft updates wait for the next call before travelling on their own
 
 
 @dataclass(frozen=True)
@@ -83,11 +78,9 @@ class ActorResources:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    num_speculative_tokens: int = 4  # K: drafts per row per step
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     micro_batch_size: int = 8  # rows per micro-batch; waiting requests take freed slots
     num_micro_batches: int = 2  # >= 2: one drafts while another verifies
-    eos_token_ids: tuple[int, ...] = ()
-    max_model_len: int | None = None  # None: the models' own context
     draft_resources: ActorResources = ActorResources()
     target_resources: ActorResources = ActorResources()
     placement_strategy: str = "STRICT_PACK"  # both actors on one node
@@ -95,36 +88,25 @@ class CoordinatorConfig:
     max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
     measure_bytes: bool = True
     placement_timeout_s: float = 180.0  # give up (with a clear error) if the actors cannot be placed
-    # Choose K in 0..num_speculative_tokens each step (raysd.engine.adaptive), e.g. with
-    # costs from `profile_step_costs`; None: always num_speculative_tokens.
-    adaptive: AdaptiveConfig | None = None
-    runner: str = "auto"  # the target's KV cache (raysd.models.runners); the draft's is DrafterSpec.runner
-    acceptance: str = "exact"  # or "relaxed:LAMBDA" (lossy; raysd.engine.engine.EngineConfig.acceptance)
-    tree_budget: int = 0  # P > 0: draft trees of at most P nodes (raysd.engine.engine.EngineConfig.tree_budget)
+    runner: str = "auto"  # the target's KV cache (raysd.models.runner); the draft's is DrafterSpec.runner
     # With a model-free drafter (run inside the target actor), one call to the target actor runs up
-    # to this many steps, returning after the first that retires a row (TargetActor.verify): a
+    # to this many steps, returning after the first that retires a row (TargetActor.step): a
     # row's slot is refilled as soon as it frees, and the steps between cost no round trip. A
     # request arriving while the rows run waits at most this many steps for a free slot.
     max_steps_per_call: int = 8
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        check_tree_config(self.tree_budget, self.runner, self.num_speculative_tokens,
-                          parse_acceptance(self.acceptance) is not None)
-        check_adaptive_costs(self.adaptive, self.num_speculative_tokens, self.tree_budget)
-        if not 0 <= self.num_speculative_tokens <= 64:
-            raise ValueError(f"num_speculative_tokens must be in 0..64, got {self.num_speculative_tokens}")
+        if self.speculation.tree_budget and self.runner == "dynamic":
+            raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.max_steps_per_call < 1:
             raise ValueError(f"max_steps_per_call must be >= 1, got {self.max_steps_per_call}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
             raise ValueError("micro_batch_size and num_micro_batches must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.placement_strategy not in STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}")
         if self.max_actor_restarts < -1 or self.max_recoveries < 0:
             raise ValueError("max_actor_restarts must be >= -1 and max_recoveries >= 0")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 
 @dataclass
@@ -151,6 +133,8 @@ class RunReport:
     recoveries_done: int = 0  # streams: recoveries followed by a completed step (see `_serve`)
     queue_wait_s: float = 0.0  # summed over rows: from submission (or the start of `generate`) to admission
     idle_s: float = 0.0  # streams: time the loop had no row at all to run (waiting for input)
+    first_step_at: float | None = None  # wall clock (time.time()) when the first step ended
+    last_step_at: float | None = None  # and the latest
 
     @property
     def occupancy(self) -> float | None:
@@ -176,51 +160,39 @@ class RunOutput:
 @dataclass
 class _MicroBatch:
     """The coordinator's view of a micro-batch: which requests sit in its slots (for recovery),
-    what the target decided last (for the draft's next update), and what K depends on."""
+    and its last verdict, not yet forwarded to the draft actor."""
 
     mb_id: int
     rows: list[tuple[int, Request]] = field(default_factory=list)  # (request index, request), slot order
     new: list[tuple[int, Request]] = field(default_factory=list)  # admitted, not yet sent to the actors
-    last: StepOutcome | None = None  # the target's last decision, not yet forwarded to the draft
-    features: ray.ObjectRef | None = None  # its features for a feature draft (target actor -> draft actor)
-    # Draft-side updates of steps that drafted nothing (K = 0): the draft actor was not asked for
-    # them, and gets them in order with its next call (_submit).
-    backlog: list[MicroBatchUpdate] = field(default_factory=list)
+    last: Verdict | None = None  # the target's last verdict, for the draft actor's next call
+    last_verify_s: float = 0.0  # and the target's seconds for it
     fresh: bool = True  # the actors hold no (valid) state for it: the next step starts it afresh
     busy: bool = False
-    # The rows' acceptance evidence and room after the last step (KController.choose_k_from).
-    overlap_sum: list[float] = field(default_factory=list)
-    tested: list[int] = field(default_factory=list)
-    room: list[int] = field(default_factory=list)
 
     def clear(self) -> None:
-        self.rows, self.new, self.last, self.features, self.fresh, self.busy = [], [], None, None, True, False
-        self.backlog = []
-        self.overlap_sum, self.tested, self.room = [], [], []
-
-
-@dataclass
-class _Flight:
-    mb: _MicroBatch
-    meta_ref: ray.ObjectRef | None  # None: a step with K = 0, the draft actor was not asked
-    draft_args_nbytes: int
-    target_args_nbytes: int
+        self.rows, self.new, self.last, self.fresh, self.busy = [], [], None, True, False
 
 
 class SpecCoordinator:
     """Owns a placement group with one target and one draft actor, and runs requests through them.
 
     Needs `ray.init()` first. Reusable across `generate` calls; `shutdown()` (or a
-    `with` block) releases the actors and the placement group.
+    `with` block) releases the actors and the placement group. `config` may be replaced between
+    calls (e.g. the EOS ids, or measured step costs for adaptive K): micro-batches started
+    afterwards follow it.
     """
 
-    def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig):
-        if config.tree_budget and drafter.runner == "dynamic":
+    def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig,
+                 tokenizer_factory=None):
+        """`tokenizer_factory`: builds the target's tokenizer in the target actor, for stop strings."""
+        exit_when_orphaned()  # this process drives the step graph (raysd.actors.local)
+        if config.speculation.tree_budget and drafter.runner == "dynamic":
             raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter")
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
-        self._k_controller: KController | None = None
         self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
+        self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the first step
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
         bundles = [config.target_resources.bundle()] + ([] if self.colocated else [config.draft_resources.bundle()])
@@ -241,40 +213,41 @@ class SpecCoordinator:
         # Every constructor argument here is small and travels inline.
         target_name = f"raysd-target-{uuid.uuid4().hex}"
         self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(
-            target_factory, config.runner, config.acceptance, drafter if self.colocated else None)
+            target_factory, config.runner, drafter if self.colocated else None, tokenizer_factory)
+        self.can_decode = tokenizer_factory is not None
         self.draft = None
         if not self.colocated:
             self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
         self.target_info, self.draft_info = self._infos(timeout=None)  # both load their models first
         self.vocab_size = self.target_info.vocab_size
-        limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
-        self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
-        if config.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
+        if config.speculation.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
             self.shutdown()
             raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter "
                              "(Llama-family target and draft models, no draft assist)")
-        if parse_acceptance(config.acceptance) is not None:
-            warnings.warn(f"RELAXED ACCEPTANCE ({config.acceptance}): outputs do NOT follow the target distribution "
-                          "exactly", LossyAcceptanceWarning, stacklevel=2)
+        warn_if_lossy(config.speculation.acceptance)
 
     @property
-    def limits(self) -> RowLimits:
-        """What both actors cap and stop rows by; read at each micro-batch's start, so a replaced
-        config (e.g. the EOS ids, known once the tokenizer has loaded) applies to later rows."""
-        cfg = self.config
-        return RowLimits(cfg.num_speculative_tokens, self.max_model_len, cfg.eos_token_ids, self.draft_info.feature_draft,
-                         cfg.tree_budget)
+    def device_channel(self) -> bool:
+        """Whether proposals travel as device tensors, GPU to GPU: draft and target on two
+        different GPUs (NCCL cannot join two processes on one GPU; those, and CPUs, go through
+        the host over shared memory, the proposal lossless sparse where smaller)."""
+        d, t = self.draft_info.gpu, self.target_info.gpu
+        return self.draft is not None and d is not None and t is not None and d != t
 
     @property
-    def k_controller(self) -> KController | None:
-        """The adaptive-K controller of `config.adaptive`; its pooled acceptance lives as long as
-        the coordinator (every request it serves), and restarts if the config is replaced."""
-        adaptive = self.config.adaptive
-        if adaptive is None:
-            return None
-        if self._k_controller is None or self._k_controller.config is not adaptive:
-            self._k_controller = KController(adaptive, self.config.tree_budget, self.config.num_speculative_tokens)
-        return self._k_controller
+    def admission(self) -> Admission:
+        """Which requests may run, under the current config (read at each micro-batch's start)."""
+        limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
+        return Admission.of(self.config.speculation, self.vocab_size, limits, self.can_decode)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.admission.max_model_len
+
+    def controller_state(self) -> dict:
+        """The K controller's pooled evidence and the plans it chose, from the actor that plans
+        the steps: the draft actor, or the target actor with a colocated drafter."""
+        return ray.get((self.target if self.draft is None else self.draft).controller_state.remote())
 
     def _actor(self, cls, bundle_index: int, resources: ActorResources, **options):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
@@ -294,6 +267,7 @@ class SpecCoordinator:
         self.shutdown()
 
     def shutdown(self) -> None:
+        self._close_graph()
         for actor in (getattr(self, "draft", None), getattr(self, "target", None)):
             if actor is not None:
                 ray.kill(actor)
@@ -312,24 +286,25 @@ class SpecCoordinator:
         """Generate for every request; results come back in request order, one per request.
 
         The same loop as `stream()` (`_serve`), fed once with the whole list."""
-        cfg = self.config
         report = RunReport()
-        results: dict[int, GenerationResult] = {}
-        waiting: deque[tuple[int, Request]] = deque()
-        for i, req in enumerate(requests):
-            error = request_error(req, self.vocab_size, self.max_model_len)
-            if error:
-                stats = SpecDecodeStats(cfg.num_speculative_tokens)
-                results[i] = GenerationResult(req.request_id, list(req.prompt_token_ids), [], "error", stats, error,
-                                              acceptance=cfg.acceptance)
-            else:
-                waiting.append((i, req))
+        admitted, results = self.admission.split(requests)
+        waiting: deque[tuple[int, Request]] = deque(admitted)
         start = time.perf_counter()
         with self._loop_lock("generate"):
             self._serve(waiting, results, report, {i: start for i, _ in waiting})
         report.wall_s = time.perf_counter() - start
+        if self.draft is not None and self.config.measure_bytes:
+            self._add_proposal_bytes(report.transfer)
         assert len(results) == len(requests), "every request yields exactly one result"
         return RunOutput([results[i] for i in range(len(requests))], report)
+
+    def _add_proposal_bytes(self, transfer: TransferStats) -> None:
+        try:
+            sent = ray.get(self.draft.transfer_stats.remote(), timeout=30)
+        except (RayActorError, ray.exceptions.GetTimeoutError):  # a report only
+            return
+        transfer.proposal, transfer.dense_equivalent = sent.proposal, sent.dense_equivalent
+        transfer.sparse_steps = sent.sparse_steps
 
     def stream(self, max_pending: int) -> "RequestStream":
         """A long-lived loop on these actors, fed request by request (see `RequestStream`).
@@ -356,7 +331,7 @@ class SpecCoordinator:
         cfg = self.config
         report.slots = cfg.micro_batch_size * cfg.num_micro_batches
         mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
-        in_flight: dict[ray.ObjectRef, _Flight] = {}
+        in_flight: deque[tuple[object, _MicroBatch, int]] = deque()  # executions of the step graph, oldest first
         while True:
             if refill is not None:
                 idle = not (waiting or in_flight or any(mb.rows for mb in mbs))
@@ -366,46 +341,34 @@ class SpecCoordinator:
                     report.idle_s += time.perf_counter() - t0
             if not (waiting or in_flight or any(mb.rows for mb in mbs)):
                 return
-            # 1. Every idle micro-batch takes waiting rows into free slots and starts its next step.
-            for mb in mbs:
-                if not mb.busy:
-                    before = len(mb.rows)
-                    self._admit(mb, waiting, mbs)
-                    if len(mb.rows) > before:
+            try:
+                # 1. Every idle micro-batch takes waiting rows into free slots and starts its next step.
+                for mb in mbs:
+                    if not mb.busy:
+                        before = len(mb.rows)
+                        self._admit(mb, waiting, mbs)
                         now = time.perf_counter()
                         for i, _ in mb.rows[before:]:
                             report.queue_wait_s += now - enqueued.pop(i, now)  # a re-queued row counts once
-                    if mb.rows:
-                        ref, flight = self._submit(mb)
-                        in_flight[ref] = flight
-            # 2. Whichever verification ends first: emit its tokens, free its finished rows.
-            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
-            flight = in_flight.pop(ref)
-            try:
-                result: VerifyResult = ray.get(ref)
-                meta = ray.get(flight.meta_ref) if flight.meta_ref is not None else None
-            except (RayActorError, MicroBatchStateLost):
+                        if mb.rows:
+                            in_flight.append(self._submit(mb))
+                # 2. The oldest step ends first (both actors run the graph's executions in order):
+                #    hand back its finished rows, keep its verdict for the draft.
+                ref, mb, nbytes = in_flight.popleft()
+                verdict, timings = ref.get()
+            except (RayActorError, RayChannelError, MicroBatchStateLost):
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
                 # gone. Re-run their rows from the start; finished results stay.
                 self._recover(mbs, waiting, in_flight, report)
                 continue
-            report.active_rows += result.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
-            self._finish_step(flight.mb, result, results, report)
-            report.target_busy_s += result.busy_s - result.draft_s
-            report.draft_busy_s += result.draft_s  # a colocated drafter's (else 0; the draft actor's: below)
-            report.draft_steps += result.drafted
+            report.active_rows += timings.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
+            self._take(mb, verdict, timings, results, report)
             t = report.transfer
             t.steps += 1
-            if meta is not None:
-                report.draft_steps += 1
-                report.draft_busy_s += meta.busy_s
-                t.proposal += meta.proposal_nbytes
-                t.dense_equivalent += meta.dense_nbytes
-                t.sparse_steps += meta.encoding == "sparse"
-            t.draft_args += flight.draft_args_nbytes
-            t.target_args += flight.target_args_nbytes
-            t.results += pickled_nbytes(result) if cfg.measure_bytes else 0
-            t.features += result.features_nbytes
+            t.target_args += nbytes
+            t.results += pickled_nbytes((verdict, timings)) if cfg.measure_bytes else 0
+            if verdict.features is not None and cfg.measure_bytes:
+                t.features += sum(f.numel() * f.element_size() for f in verdict.features)
             if refill is not None and report.recoveries:
                 # A stream lives for a whole job: max_recoveries bounds failures in a row, not in its life.
                 report.recoveries_done += report.recoveries
@@ -413,95 +376,88 @@ class SpecCoordinator:
 
     def _admit(self, mb: _MicroBatch, waiting: deque, mbs: list[_MicroBatch]) -> None:
         """Fill free slots, sharing what is left evenly between micro-batches so both stay busy."""
-        cfg = self.config
         if not mb.rows:  # empty: drop its old caches rather than select([]) them
             mb.clear()
         unfinished = len(waiting) + sum(len(m.rows) for m in mbs)
-        share = min(cfg.micro_batch_size, math.ceil(unfinished / len(mbs)))
+        share = min(self.config.micro_batch_size, math.ceil(unfinished / len(mbs)))
         while waiting and len(mb.rows) < share:
             item = waiting.popleft()
             mb.rows.append(item)
             mb.new.append(item)
 
-    def _choose_plan(self, mb: _MicroBatch) -> tuple[int, int]:
-        """The step's K and tree budget: the controller's choice from the rows' evidence (as
-        SpecEngine.step), or the configured ones."""
-        if self.k_controller is None:
-            return self.config.num_speculative_tokens, self.config.tree_budget
-        n = len(mb.new)
-        room = mb.room + [self.limits.first_room(req) for _, req in mb.new]
-        return self.k_controller.choose_plan_from(mb.overlap_sum + [0.0] * n, mb.tested + [0] * n, room)
-
-    def _skips_draft(self, k: int) -> bool:
-        """A step that drafts nothing (plain decoding, or adaptive K chose 0, never with a tree)
-        goes straight to the target rather than after a round trip through the draft actor, which
-        gets the update with its next call. Not for a feature draft (it follows the target's
-        features every step)."""
-        return k == 0 and not self.draft_info.feature_draft
-
-    def _submit(self, mb: _MicroBatch) -> tuple[ray.ObjectRef, _Flight]:
-        k, tree = self._choose_plan(mb)
-        limits = self.limits if mb.fresh else None
-        new = tuple(mb.new)
-        last = mb.last
-        if last is not None:
-            draft_update = MicroBatchUpdate(limits, last.kept, last.accepted, last.keep, new, last.path)
+    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int]:
+        """One step of `mb`, one execution of the step graph (`_step_graph`): the draft actor gets
+        the last verdict and the new rows, the target actor the new rows and the draft's proposal."""
+        spec = self.admission.spec if mb.fresh else None
+        target_call = StepCall(mb.mb_id, spec, None, tuple(mb.new), self.draft_info.feature_draft,
+                               self.config.max_steps_per_call if self.draft is None else 1, 0.0, self.device_channel)
+        if self.draft is None:
+            ref = self._step_graph().execute(target_call)
         else:
-            draft_update = MicroBatchUpdate(limits, new_rows=new)
-        target_update = MicroBatchUpdate(limits, new_rows=new)  # the target applied its own decision
-        if not self.colocated:  # else the drafter beside the target has followed the decision already
-            mb.backlog.append(draft_update)
-        # Actor tasks with task events on make the GCS keep a few KB of events each (up to
-        # RAY_task_events_max_num_task_in_gcs of them), which grew it per row in the soak.
-        if self.colocated:
-            proposal_ref = meta_ref = None  # the target actor drafts for itself
-        elif self._skips_draft(k):
-            proposal_ref = meta_ref = None
-            if len(mb.backlog) >= DRAFT_BACKLOG:  # bounded memory: hand it over, off the critical path
-                self.draft.apply.options(enable_task_events=False).remote(mb.mb_id, tuple(mb.backlog))
-                mb.backlog = []
-        else:
-            propose = self.draft.propose.options(num_returns=2, enable_task_events=False)
-            features = mb.features if last is not None else None
-            proposal_ref, meta_ref = propose.remote(mb.mb_id, tuple(mb.backlog), k, features, tree)
-            mb.backlog = []
-        verify = self.target.verify.options(num_returns=2, enable_task_events=False)
-        if self.colocated:  # several steps per call, each choosing its K in the actor
-            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, None, k, self.config.max_steps_per_call,
-                                                    self.k_controller, tree)
-        else:
-            verify_ref, mb.features = verify.remote(mb.mb_id, target_update, proposal_ref, k, tree_budget=tree)
+            draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s)
+            ref = self._step_graph().execute(draft_call, target_call)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
-        measure = self.config.measure_bytes
-        draft_nbytes = pickled_nbytes((mb.mb_id, draft_update, k)) if measure and meta_ref is not None else 0
-        target_nbytes = pickled_nbytes((mb.mb_id, target_update, k)) if measure else 0
-        return verify_ref, _Flight(mb, meta_ref, draft_nbytes, target_nbytes)
+        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0)
 
-    def _finish_step(self, mb: _MicroBatch, result: VerifyResult, results: dict, report: RunReport) -> None:
-        out = result.outcome
+    def _step_graph(self):
+        """The replica's step as a Ray compiled graph, set up once (and again after an actor's
+        restart): driver -> draft.propose -> target.step -> driver, over channels that live as long
+        as the graph (shared memory on one node), so a step costs no task submission, no object
+        store and no scheduling. Up to `num_micro_batches` executions are in flight: the draft
+        proposes for one micro-batch while the target verifies another. With a colocated drafter
+        the graph is the target actor alone."""
+        if self._graph is None:
+            from ray.dag import InputNode
+
+            with InputNode() as calls:
+                if self.draft is None:
+                    out = self.target.step.bind(calls)
+                else:
+                    proposed = self.draft.propose.bind(calls[0])
+                    if self.device_channel:  # the proposal's device tensors travel GPU to GPU (NCCL)
+                        proposed = proposed.with_tensor_transport(transport="nccl")
+                    out = self.target.step.bind(calls[1], proposed)
+            self._graph = out.experimental_compile(_max_inflight_executions=self.config.num_micro_batches + 1)
+        return self._graph
+
+    def _close_graph(self) -> None:
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - an actor of it died: its channels are gone anyway
+                pass
+
+    def _take(self, mb: _MicroBatch, verdict: Verdict, timings: StepTimings, results, report: RunReport) -> None:
+        """A step's verdict: its finished rows to `results`, the rest kept in slot order; the
+        verdict itself (less the results) waits for the draft actor's next call."""
         mb.busy = False
-        for i, finished in out.finished:
+        for i, finished in verdict.finished:
             results[i] = finished
             report.generated_tokens += len(finished.token_ids)
-        if self.k_controller is not None:
-            self.k_controller.observe_all(out.step_overlap, out.step_tested)
-            self.k_controller.observe_ranks(out.rank_offered, out.rank_moved)
-        if out.keep is not None:
-            mb.rows = [mb.rows[k] for k in out.keep]
-        mb.last = out
-        mb.overlap_sum, mb.tested, mb.room = list(out.overlap_sum), list(out.tested), list(out.room)
-        report.steps += result.steps
-        self.steps_completed += result.steps
+        if verdict.keep is not None:
+            mb.rows = [mb.rows[k] for k in verdict.keep]
+        if self.draft is not None:
+            mb.last, mb.last_verify_s = dataclasses.replace(verdict, finished=()), timings.verify_s
+        report.steps += timings.steps
+        report.draft_steps += timings.drafted_steps
+        report.last_step_at = time.time()
+        if report.first_step_at is None:
+            report.first_step_at = report.last_step_at
+        report.target_busy_s += timings.wall_s - (timings.draft_s if self.draft is None else 0.0)
+        report.draft_busy_s += timings.draft_s
+        self.steps_completed += timings.steps
 
-    def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: dict, report: RunReport) -> None:
+    def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: deque, report: RunReport) -> None:
         report.recoveries += 1
+        self._close_graph()  # its channels went with the actor; a new graph is compiled on the restarted one
         if report.recoveries > self.config.max_recoveries:
             raise RuntimeError(f"actors failed {report.recoveries} times in one run; giving up")
         requeue = sorted((item for mb in mbs for item in mb.rows), key=lambda item: item[0])
         waiting.extendleft(reversed(requeue))  # re-run from the prompt: same seed, same output
         for mb in mbs:
             mb.clear()
-        in_flight.clear()  # stale steps: later calls start the micro-batches afresh, in order after them
+        in_flight.clear()  # stale steps: the micro-batches start afresh
         self._wait_for_actors()
 
     def _infos(self, timeout: float | None) -> tuple[ActorInfo, ActorInfo]:
@@ -595,12 +551,9 @@ class RequestStream:
 
     def submit(self, request: Request) -> Future:
         future: Future = Future()
-        c = self.coordinator
-        error = request_error(request, c.vocab_size, c.max_model_len)
-        if error:  # refused before it takes a slot, as in `generate`
-            stats = SpecDecodeStats(c.config.num_speculative_tokens)
-            future.set_result(StreamedResult(GenerationResult(request.request_id, list(request.prompt_token_ids), [],
-                                                              "error", stats, error), 0.0))
+        refused = self.coordinator.admission.refusal(request)
+        if refused is not None:  # refused before it takes a slot, as in `generate`
+            future.set_result(StreamedResult(refused, 0.0))
             return future
         while not self._room.acquire(timeout=0.2):  # backpressure: wait for a request to finish
             self._check()
@@ -634,7 +587,8 @@ class RequestStream:
         return {"wall_s": time.perf_counter() - self._started, "draft_busy_s": r.draft_busy_s,
                 "target_busy_s": r.target_busy_s, "steps": r.steps, "draft_steps": r.draft_steps, "active_rows": r.active_rows,
                 "slots": r.slots, "queue_wait_s": r.queue_wait_s, "idle_s": r.idle_s,
-                "recoveries": r.recoveries + r.recoveries_done, "generated_tokens": r.generated_tokens}
+                "recoveries": r.recoveries + r.recoveries_done, "generated_tokens": r.generated_tokens,
+                "first_step_at": r.first_step_at, "last_step_at": r.last_step_at}
 
     # The loop thread.
 

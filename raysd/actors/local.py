@@ -54,3 +54,34 @@ def start_local_ray(**init_kwargs) -> None:
         ray.shutdown()
         raise LocalRayNotLoopback(f"the local Ray took node address {node_ip}, not loopback; to run Ray "
                                   f"on a network, start it yourself (ray start --head) and connect to it")
+
+
+ORPHAN_WATCH_THREAD = "raysd-orphan-watch"
+
+
+def exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """In a Ray worker process (an actor): exit at once when the raylet that started it is gone.
+
+    A worker whose raylet dies (its driver killed, its local Ray shut down, its node lost) runs
+    Ray's exit path, `ray.shutdown()`, and in Ray 2.60 that tears down every compiled graph the
+    process drives, waiting on a cluster that no longer answers: the process then spins a core
+    for ever, orphaned. A daemon thread watching the parent process ends it instead. Idempotent;
+    nothing outside an actor (a driver keeps its own parent).
+    """
+    import threading
+    import time
+
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    if any(t.name == ORPHAN_WATCH_THREAD for t in threading.enumerate()):
+        return
+    parent = os.getppid()  # the raylet
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=ORPHAN_WATCH_THREAD, daemon=True).start()

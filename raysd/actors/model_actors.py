@@ -1,15 +1,16 @@
 """The two halves of a speculative step, each in its own (Ray actor) process.
 
-DraftActor holds the draft model (or none, for n-gram lookup) and one DraftSide
-per micro-batch; TargetActor holds the target model and one TargetSide (verifier
-and the rows' state) per micro-batch: the halves of the engine's own step
-(raysd.engine.step). The per-micro-batch objects share the model weights and
-differ only in their KV caches and rows. Both classes are plain Python: the
-coordinator makes them Ray actors with `ray.remote(...)`, and tests may call them
-in process.
+DraftActor holds the draft model and one DraftSide per micro-batch; TargetActor holds the
+target model and one TargetSide per micro-batch, and runs the engine's own step
+(raysd.engine.step.speculative_step) on the proposal the draft actor sent. The per-micro-batch
+sides share the actor's model weights and differ only in their KV caches and rows. A model-free
+drafter (n-gram lookup, or none) runs inside the target actor instead, one DraftSide per
+micro-batch beside its TargetSide: the actor then runs the step with both sides, as the
+single-process engine does. Both classes are plain Python: the coordinator makes them Ray
+actors with `ray.remote(...)`, and tests may call them in process.
 
-Every step call carries a MicroBatchUpdate (what happened to the micro-batch's
-rows since its last step), so one call per actor per step is enough.
+Every call carries a `StepCall`: what happened to the micro-batch's rows since its last step
+(the last verdict, for the draft side; rows admitted), so one call per actor per step is enough.
 """
 
 from __future__ import annotations
@@ -20,29 +21,40 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import numpy as np
 import torch
 
-from raysd.core.acceptance import parse_acceptance
-from raysd.core.tree_shape import RANK_PRIOR
-from raysd.engine.drafters import DraftModelDrafter, Drafter, FeatureDrafter, NgramDrafter, Proposal
-from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, by_rank
-from raysd.engine.hierarchy import AssistedDraftModelDrafter, check_inner, profile_inner_costs
-from raysd.engine.rows import Request
-from raysd.engine.step import DraftSide, RowLimits, StepOutcome, TargetSide
-from raysd.engine.verifier import TargetVerifier
+from raysd.actors.local import exit_when_orphaned
+from raysd.actors.transport import (
+    ENCODINGS,
+    ProbsEncoding,
+    TransferStats,
+    WireProposal,
+    decode_proposal,
+    encode_proposal,
+    pickled_nbytes,
+)
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
+from raysd.engine.adaptive import KController
+from raysd.engine.batch import Plan, Verdict
+from raysd.engine.draft_assist import DraftAssistDrafter, check_draft_assist, profile_assist_costs
+from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
+from raysd.engine.engine import decoder
+from raysd.engine.requests import Request
+from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, StepTimings, speculative_step
+from raysd.engine.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
+from raysd.engine.target import TargetSide
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
-from raysd.models.loading import max_model_len
-from raysd.models.runners import check_runner_kind
-from raysd.models.static_runner import supports_static
+from raysd.models.loading import max_model_len, model_dtype, output_vocab_size
 from raysd.models.profile import time_forward, time_forward_upto
-from raysd.actors.transport import ENCODINGS, ProbsEncoding, WireProposal, decode_proposal, encode_proposal, pickled_nbytes
+from raysd.models.runner import check_runner_kind
+from raysd.models.static_runner import supports_static
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
 
 ModelFactory = Callable[[], "PreTrainedModel"]  # picklable, e.g. functools.partial(load_model, spec)
+MODEL_FREE_DRAFTERS = ("ngram", "suffix")
 
 
 class MicroBatchStateLost(RuntimeError):
@@ -51,21 +63,23 @@ class MicroBatchStateLost(RuntimeError):
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """How the draft actor builds its drafter; picklable."""
+    """How an actor builds its drafter; picklable."""
 
-    model_factory: ModelFactory | None = None  # None: n-gram prompt lookup, no model; an EagleDraft: a feature draft
+    model_factory: ModelFactory | None = None  # None: a model-free drafter (`model_free`); an EagleDraft: a feature draft
+    model_free: str = "ngram"  # without a model: "ngram" (prompt lookup) or "suffix" (raysd.engine.suffix)
+    suffix: SuffixConfig = SuffixConfig()  # the suffix drafter's settings (its index is shared by the actor's micro-batches)
     draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see DraftModelDrafter)
     min_ngram: int = 1
     max_ngram: int = 3
     probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
-    runner: str = "auto"  # the draft model's KV cache (raysd.models.runners)
-    # Hierarchical speculation (raysd.engine.hierarchy): "ngram" lets n-gram lookup draft for the
-    # draft model, at most `inner_k` per middle step, chosen by goodput on the draft model's step
-    # costs profiled in the actor at `inner_batch_sizes` (`inner_adaptive`), else always inner_k.
-    inner: str = "none"
-    inner_k: int = 4
-    inner_adaptive: bool = True
-    inner_batch_sizes: tuple[int, ...] = (1, 16)
+    runner: str = "auto"  # the draft model's KV cache (raysd.models.runner)
+    # Draft assist (raysd.engine.draft_assist): "ngram" lets n-gram lookup draft for the draft model,
+    # at most `assist_k` per draft-model step, chosen by goodput on the draft model's step costs
+    # profiled in the actor at `assist_batch_sizes` (`assist_adaptive`), else always assist_k.
+    draft_assist: str = "none"
+    assist_k: int = 4
+    assist_adaptive: bool = True
+    assist_batch_sizes: tuple[int, ...] = (1, 16)
     # A model-free drafter (n-gram lookup, or no drafting) runs inside the target actor, beside
     # the rows' tokens: a step is then one call to one actor, with no draft actor to keep in
     # step. In its own actor it would cost a round trip per step and overlap nothing, as it has
@@ -79,11 +93,13 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        check_inner(self.inner)
-        if self.inner != "none" and self.model_factory is None:
-            raise ValueError(f"draft assist {self.inner!r} needs a draft model")
-        if not 0 <= self.inner_k <= 64:
-            raise ValueError(f"inner_k must be in 0..64, got {self.inner_k}")
+        check_draft_assist(self.draft_assist)
+        if self.model_free not in MODEL_FREE_DRAFTERS:
+            raise ValueError(f"model_free must be one of {MODEL_FREE_DRAFTERS}, got {self.model_free!r}")
+        if self.draft_assist != "none" and self.model_factory is None:
+            raise ValueError(f"draft assist {self.draft_assist!r} needs a draft model")
+        if not 0 <= self.assist_k <= 64:
+            raise ValueError(f"assist_k must be in 0..64, got {self.assist_k}")
         if self.draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {self.draft_top_m}")
         if self.draft_top_m and self.model_factory is None:
@@ -94,64 +110,84 @@ class DrafterSpec:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 
     def build(self, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int, device: torch.device,
-              inner_costs: StepCosts | None = None) -> Drafter:
-        """`inner_costs`: the draft model's step costs for the inner k (profile_inner_costs), under inner_adaptive."""
+              assist_costs: StepCosts | None = None, suffix_index: SuffixIndex | None = None) -> Drafter:
+        """`assist_costs`: the draft model's step costs for the assist k (profile_assist_costs), under
+        assist_adaptive; `suffix_index`: the finished rows a suffix drafter shares with the actor's others."""
         if model is None:
+            if self.model_free == "suffix":
+                return SuffixDrafter(target_vocab_size, suffix_index, self.suffix, device)
             return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
         if isinstance(model, EagleDraft):
-            if self.inner != "none":
+            if self.draft_assist != "none":
                 raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
             return FeatureDrafter(model, target_vocab_size, runner=self.runner)
-        if self.inner == "ngram":
-            adaptive = AdaptiveConfig(inner_costs) if self.inner_adaptive and inner_costs is not None else None
-            return AssistedDraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
-                                             inner_k=self.inner_k, inner_adaptive=adaptive,
-                                             min_ngram=self.min_ngram, max_ngram=self.max_ngram)
+        if self.draft_assist == "ngram":
+            adaptive = AdaptiveConfig(assist_costs) if self.assist_adaptive and assist_costs is not None else None
+            return DraftAssistDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
+                                      assist_k=self.assist_k, assist_adaptive=adaptive,
+                                      min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner)
 
 
 @dataclass(frozen=True)
-class MicroBatchUpdate:
-    """What happened to a micro-batch's rows since its last step, applied before the next.
+class StepCall:
+    """What happened to a micro-batch's rows since its last step, applied before the next: the
+    last step's verdict (the draft side applies it; the target applied it already) and the rows
+    admitted since ((caller's index, request) pairs). `spec` (resolved: Admission.spec) starts the
+    micro-batch afresh, with no rows; `feature_draft` then says whether the drafter reads the
+    target's features (EAGLE)."""
 
-    For the draft side: commit `kept` (one tuple per row of the last step, with the drafts each
-    row `accepted`, so its cache rolls back without reading the drafts back) and keep rows
-    `keep` (None: all): the target's StepOutcome, forwarded. Then both sides append `new_rows`
-    ((caller's index, request) pairs). `limits` starts the micro-batch afresh (no rows yet)."""
-
-    limits: RowLimits | None = None
-    kept: tuple[tuple[int, ...], ...] = ()
-    accepted: tuple[int, ...] = ()
-    keep: tuple[int, ...] | None = None
+    mb: int
+    spec: SpeculationConfig | None = None
+    verdict: Verdict | None = None
     new_rows: tuple[tuple[int, Request], ...] = ()
-    path: tuple[tuple[int, ...], ...] | None = None  # a tree's accepted nodes per row (StepOutcome.path)
+    feature_draft: bool = False
+    max_steps: int = 1  # a colocated drafter's steps per call (TargetActor.step)
+    device_proposal: bool = False  # the draft returns its proposal's device tensors (a GPU-to-GPU channel)
+    verify_s: float = 0.0  # with `verdict`: the target's seconds for that step (costs learned as the job runs)
 
     def __post_init__(self) -> None:
-        if self.limits is not None and (self.kept or self.keep is not None):
-            raise ValueError("a fresh micro-batch carries no commit or selection")
-        if len(self.accepted) != len(self.kept):
-            raise ValueError(f"accepted needs one count per kept row, got {len(self.accepted)} for {len(self.kept)}")
+        if self.spec is not None and self.verdict is not None:
+            raise ValueError("a fresh micro-batch has no verdict to apply")
 
 
-class _MicroBatchStore:
-    """One step half (DraftSide or TargetSide) per micro-batch, sharing the actor's model."""
+class _Sides:
+    """One side (DraftSide or TargetSide, or a colocated pair) per micro-batch, sharing the actor's model."""
 
-    def __init__(self, make: Callable[[RowLimits], DraftSide | TargetSide]):
+    def __init__(self, make: Callable[[StepCall], object]):
         self.make = make
-        self.states: dict[int, DraftSide | TargetSide] = {}
+        self.states: dict[int, object] = {}
 
-    def apply(self, mb: int, update: MicroBatchUpdate, features=None) -> DraftSide | TargetSide:
-        """`features`: a feature draft's part of the forwarded outcome (StepOutcome.features)."""
-        if update.limits is not None:
-            self.states[mb] = self.make(update.limits)
-        elif mb not in self.states:
-            raise MicroBatchStateLost(f"no state for micro-batch {mb} in process {os.getpid()}")
-        side = self.states[mb]
-        if update.kept or update.keep is not None:
-            side.commit(update.kept, update.accepted, update.keep, features, update.path)
-        if update.new_rows:
-            side.add(update.new_rows)
-        return side
+    def get(self, call: StepCall):
+        if call.spec is not None:
+            self.states[call.mb] = self.make(call)
+        elif call.mb not in self.states:
+            raise MicroBatchStateLost(f"no state for micro-batch {call.mb} in process {os.getpid()}")
+        return self.states[call.mb]
+
+
+class _Planner:
+    """The actor's K controller: one per actor, pooling the evidence of every micro-batch it
+    serves, rebuilt when a micro-batch starts with other adaptive settings."""
+
+    def __init__(self):
+        self.hook: StepHook | None = None
+
+    def for_spec(self, spec: SpeculationConfig) -> StepHook:
+        if self.hook is None or self.hook.spec.adaptive != spec.adaptive:
+            controller = None if spec.adaptive is None else KController(spec.adaptive, spec.tree_budget,
+                                                                         spec.num_speculative_tokens)
+            self.hook = StepHook(spec, controller)
+        else:
+            self.hook.spec = spec
+        return self.hook
+
+    def state(self) -> dict:
+        """The K controller's pooled evidence and the plans it chose ((k, tree budget) -> steps)."""
+        c = self.hook.controller if self.hook is not None else None
+        if c is None:
+            return {"overlap_sum": 0.0, "num_tested_positions": 0, "chosen": {}}
+        return {"overlap_sum": c.overlap_sum, "num_tested_positions": c.num_tested_positions, "chosen": dict(c.chosen)}
 
 
 def assigned_device() -> torch.device:
@@ -168,6 +204,23 @@ def assigned_device() -> torch.device:
     return torch.device("cpu")
 
 
+def assigned_gpu() -> tuple[str, str] | None:
+    """(node id, GPU id) of the GPU Ray assigned this actor, or None: two actors on different GPUs
+    can send tensors over NCCL; two sharing one (fractional num_gpus) cannot."""
+    if assigned_device().type != "cuda":
+        return None
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_node_id(), str(context.get_accelerator_ids()["GPU"][0])
+
+
+def on_device(proposal: Proposal, device: torch.device) -> Proposal:
+    """A proposal received as device tensors, on this actor's device (a no-op once NCCL put it there)."""
+    return Proposal(proposal.draft_token_ids.to(device), proposal.num_draft_tokens.to(device),
+                    proposal.draft_probs.to(device), proposal.num_draft_host)
+
+
 @dataclass(frozen=True)
 class ActorInfo:
     pid: int
@@ -176,24 +229,19 @@ class ActorInfo:
     max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
     feature_draft: bool = False  # the draft reads the target's features (EAGLE)
     supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
+    gpu: tuple[str, str] | None = None  # (node id, Ray's GPU id) of the actor's GPU; None on the CPU
+    dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
 
 
 @dataclass(frozen=True)
-class DraftMeta:
-    busy_s: float  # time spent inside propose
-    proposal_nbytes: int  # pickled size of the WireProposal sent to the target (0 if not measured)
-    dense_nbytes: int  # what a dense draft_probs would have cost
-    encoding: str
+class Proposed:
+    """What the draft actor sends the target actor for one micro-batch step: the proposal as a
+    host `WireProposal` (lossless sparse or dense numpy), or, over a GPU-to-GPU channel, the
+    drafter's own `Proposal` of device tensors."""
 
-
-@dataclass(frozen=True)
-class VerifyResult:
-    outcome: StepOutcome  # what the target decided: the draft side's next update, the finished rows
-    busy_s: float  # time spent inside verify (a colocated drafter's drafting included)
-    features_nbytes: int = 0  # tensor bytes of the features sent apart to the draft actor (feature draft)
-    draft_s: float = 0.0  # of busy_s, a colocated drafter's proposing
-    drafted: int = 0  # steps a colocated drafter proposed for (K > 0)
-    steps: int = 1  # steps this call ran (several with a colocated drafter: TargetActor.verify)
+    plan: Plan
+    wire: WireProposal | Proposal
+    busy_s: float  # inside the draft actor's call (applying the last verdict, admitting, proposing)
 
 
 def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
@@ -218,21 +266,27 @@ class DraftActor:
     once its own model has loaded (so both load in parallel), and asks again after a restart.
     A name travels inline with the constructor call; an ObjectRef or an actor handle would make
     Ray keep the argument in the object store, where it cannot guarantee it for a restart
-    (ray-project/ray#53727)."""
+    (ray-project/ray#53727). The K controller lives here: the plan is chosen where the drafts are
+    drawn, from the evidence of every verdict the actor has applied."""
 
     def __init__(self, spec: DrafterSpec, target_vocab_size, measure_bytes: bool = True):
+        exit_when_orphaned()
         self.spec, self.measure_bytes = spec, measure_bytes
         self.device = assigned_device()
         self.model = spec.model_factory().to(self.device).eval() if spec.model_factory else None
         if isinstance(target_vocab_size, str):  # the target actor's name
             target_vocab_size = _ask_target_vocab_size(target_vocab_size)
         self.target_vocab_size = target_vocab_size
-        self.inner_costs = None  # the draft model's own step costs, for the inner k of draft assist
-        if spec.inner != "none" and spec.inner_adaptive and self.model is not None and not isinstance(self.model, EagleDraft):
+        self.assist_costs = None  # the draft model's own step costs, for the assist k of draft assist
+        if spec.draft_assist != "none" and spec.assist_adaptive and self.model is not None and not isinstance(self.model, EagleDraft):
             with torch.inference_mode():
-                self.inner_costs = profile_inner_costs(self.model, spec.inner_k, spec.inner_batch_sizes)
-        self.store = _MicroBatchStore(lambda limits: DraftSide(
-            spec.build(self.model, target_vocab_size, self.device, self.inner_costs), limits, self.device))
+                self.assist_costs = profile_assist_costs(self.model, spec.assist_k, spec.assist_batch_sizes)
+        self.suffix_index = SuffixIndex(spec.suffix.max_cached_sequences, spec.suffix.max_cached_tokens)
+        self.sides = _Sides(lambda call: DraftSide(spec.build(self.model, target_vocab_size, self.device,
+                                                              self.assist_costs, self.suffix_index), call.spec, self.device))
+        self.planner = _Planner()
+        self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
+        self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
@@ -252,120 +306,141 @@ class DraftActor:
             limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
         # a draft model or an EAGLE draft (its config is its target's family) on the static runner, or n-gram
         trees = self.model is None or (self.spec.runner != "dynamic" and supports_static(self.model)
-                                       and self.spec.inner == "none")
-        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees)
+                                       and self.spec.draft_assist == "none")
+        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees, assigned_gpu(),
+                         model_dtype(self.model))
 
-    def apply(self, mb: int, updates: Sequence[MicroBatchUpdate]) -> None:
-        """Apply updates, in order, without proposing: the target's decisions of steps that
-        drafted nothing (K = 0), which the coordinator did not send through `propose`."""
-        for update in updates:
-            self.store.apply(mb, update)
+    def controller_state(self) -> dict:
+        """The K controller's pooled evidence and choices (_Planner.state)."""
+        return self.planner.state()
 
-    def propose(self, mb: int, updates: Sequence[MicroBatchUpdate], k: int,
-                features: tuple[torch.Tensor, ...] | None = None,
-                tree_budget: int | None = None) -> tuple[WireProposal, DraftMeta]:
-        """Apply the updates in order (the last with, for a feature draft, the target's features of
-        its last step, straight from the target actor), then propose up to min(k, room) drafts per
-        row, or the tree of `tree_budget` (DraftSide.propose)."""
+    def draft_sources(self) -> dict[str, int]:
+        """A suffix drafter's drafts by source, over the rows that finished here (SuffixIndex)."""
+        return self.suffix_index.provenance() if self.spec.model_free == "suffix" else {}
+
+    def transfer_stats(self) -> TransferStats:
+        """The bytes of the proposals sent since the last call (then counted afresh)."""
+        stats, self.transfer = self.transfer, TransferStats()
+        return stats
+
+    @torch.inference_mode()
+    def propose(self, call: StepCall) -> Proposed:
+        """Apply the micro-batch's last verdict and its new rows, choose the step's plan, propose."""
         start = time.perf_counter()
-        self.apply(mb, updates[:-1])
-        proposal = self.store.apply(mb, updates[-1], features).propose(k, tree_budget)
+        side: DraftSide = self.sides.get(call)
+        hook = self.planner.for_spec(side.spec)
+        if call.verdict is not None:
+            side.commit(call.verdict)
+            hook.observe(call.verdict, self.draft_s.get(call.mb, 0.0), call.verify_s, 0.0)
+        if call.new_rows:
+            side.add(call.new_rows)
+        plan = hook.plan(side)
+        t0 = time.perf_counter()
+        proposal = side.propose(plan)
+        self.draft_s[call.mb] = time.perf_counter() - t0
+        if call.device_proposal:  # device tensors, GPU to GPU over the step graph's NCCL channel
+            return Proposed(plan, proposal, time.perf_counter() - start)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
-        busy = time.perf_counter() - start
-        B, K, V = proposal.draft_probs.shape
-        nbytes = pickled_nbytes(wire) if self.measure_bytes else 0
-        return wire, DraftMeta(busy, nbytes, B * K * V * 4, wire.encoding)
+        if self.measure_bytes:
+            t = self.transfer
+            t.steps, t.proposal = t.steps + 1, t.proposal + pickled_nbytes(wire)
+            t.dense_equivalent += proposal.draft_probs.numel() * 4
+            t.sparse_steps += wire.encoding == "sparse"
+        return Proposed(plan, wire, time.perf_counter() - start)
 
 
 class TargetActor:
-    """The target model, and per micro-batch its verifier with the rows' state (TargetSide).
-    `acceptance`: "exact" or "relaxed:LAMBDA" (raysd.core.acceptance.parse_acceptance)."""
+    """The target model, and per micro-batch its TargetSide (the rows' state beside the target's
+    KV cache). `drafter`: a model-free drafter (DrafterSpec.colocated) to run here, one DraftSide
+    per micro-batch beside its TargetSide, with this actor's own K controller."""
 
-    def __init__(self, model_factory: ModelFactory, runner: str = "auto", acceptance: str = "exact",
-                 drafter: DrafterSpec | None = None):
-        """`drafter`: a model-free drafter (DrafterSpec.colocated) to run here, one DraftSide per
-        micro-batch beside its TargetSide, as SpecEngine.step runs the two in one process."""
+    def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
+                 tokenizer_factory: Callable[[], object] | None = None):
         if drafter is not None and not drafter.colocated:
             raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
+        exit_when_orphaned()
         self.device = assigned_device()
         self.model = model_factory().to(self.device).eval()
         self.runner = runner
-        relax = parse_acceptance(acceptance)
-        self.store = _MicroBatchStore(lambda limits: TargetSide(
-            TargetVerifier(self.model, runner, features=limits.feature_draft), limits, relax=relax, acceptance=acceptance))
-        self.vocab_size = TargetVerifier(self.model).vocab_size
-        self.drafts = None if drafter is None else _MicroBatchStore(lambda limits: DraftSide(
-            drafter.build(None, self.vocab_size, self.device), limits, self.device))
+        self.vocab_size = output_vocab_size(self.model)
+        self.colocated = drafter is not None
+        # The target's tokenizer, for stop strings (decoded where the rows' state lives).
+        decode = None if tokenizer_factory is None else decoder(tokenizer_factory())
+
+        self.suffix_index = None if drafter is None else SuffixIndex(drafter.suffix.max_cached_sequences,
+                                                                      drafter.suffix.max_cached_tokens)
+
+        def make(call: StepCall):
+            target = TargetSide(self.model, call.spec, runner, features=call.feature_draft, decode=decode)
+            if drafter is None:
+                return target
+            built = drafter.build(None, self.vocab_size, self.device, suffix_index=self.suffix_index)
+            return DraftSide(built, call.spec, self.device), target
+
+        self.sides = _Sides(make)
+        self.planner = _Planner()
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
         """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
-        out = []
-        for B in batch_sizes:
-            out.append(time_forward_upto(self.model, B, k_max, context, reps, self.runner))
-        return out
-
-    def _steps(self, local: DraftSide, side: TargetSide, k: int, tree: int | None, max_steps: int,
-               controller: KController | None, start: float) -> VerifyResult:
-        """SpecEngine.step's three calls (propose, verify, the drafter follows), up to max_steps times."""
-        draft_s, drafted, steps, overlap, tested = 0.0, 0, 0, 0.0, 0
-        ranks = np.zeros((2, len(RANK_PRIOR)), dtype=np.int64)  # the trees' walks by rank, summed
-        while True:
-            if controller is not None:
-                batch = side.batch
-                k, tree = controller.choose_plan_from(batch.overlap_sum, batch.tested, batch.room())
-            t0 = time.perf_counter()
-            proposal = local.propose(k, tree)
-            if k > 0:  # K = 0: an empty proposal, no drafting
-                draft_s, drafted = draft_s + time.perf_counter() - t0, drafted + 1
-            outcome = side.verify(proposal, k, tree)
-            local.commit(outcome.kept, outcome.accepted, outcome.keep, None, outcome.path)
-            if controller is not None:
-                controller.observe_all(outcome.step_overlap, outcome.step_tested)
-                controller.observe_ranks(outcome.rank_offered, outcome.rank_moved)
-            ranks += [by_rank(outcome.rank_offered, len(RANK_PRIOR)), by_rank(outcome.rank_moved, len(RANK_PRIOR))]
-            steps, overlap, tested = steps + 1, overlap + outcome.step_overlap, tested + outcome.step_tested
-            if outcome.finished or steps == max_steps:
-                break
-        outcome = dataclasses.replace(outcome, step_overlap=overlap, step_tested=tested,
-                                      rank_offered=tuple(ranks[0].tolist()), rank_moved=tuple(ranks[1].tolist()))
-        return VerifyResult(outcome, time.perf_counter() - start, 0, draft_s, drafted, steps)
+        return [time_forward_upto(self.model, B, k_max, context, reps, self.runner) for B in batch_sizes]
 
     def info(self) -> ActorInfo:
         trees = self.runner != "dynamic" and supports_static(self.model)
-        return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees)
+        return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
+                         gpu=assigned_gpu(), dtype=model_dtype(self.model))
 
     def get_vocab_size(self) -> int:
         return self.vocab_size
 
-    def verify(self, mb: int, update: MicroBatchUpdate, wire: WireProposal | None, k: int, max_steps: int = 1,
-               controller: KController | None = None,
-               tree_budget: int | None = None) -> tuple[VerifyResult, tuple[torch.Tensor, ...] | None]:
-        """Apply the update, verify the proposal, emit, roll back, retire finished rows. Two
-        returns: the outcome for the coordinator, and apart (for a feature draft, else None) the
-        features, which go to the draft actor's next call without passing through the coordinator.
-        `wire` None: the colocated drafter proposes here, or (none) a step with K = 0, for which
-        the draft actor was not asked (no drafts).
+    def controller_state(self) -> dict:
+        """A colocated drafter's K controller's pooled evidence and choices (_Planner.state)."""
+        return self.planner.state()
 
-        With a colocated drafter, one call runs up to `max_steps` steps and returns after the
-        first that retires a row: until a row finishes no slot frees, so the coordinator has
-        nothing to admit and one call saves the others' round trips. `controller` (adaptive K)
-        then chooses each step's K here, from the rows' evidence as SpecEngine.step does, and
-        learns from each step as the coordinator's own would; the outcome sums the evidence.
-        `tree_budget`: the step's tree (DraftSide.propose), or the controller's choice each step."""
+    def draft_sources(self) -> dict[str, int]:
+        """A colocated suffix drafter's drafts by source, over the rows that finished here (SuffixIndex)."""
+        return self.suffix_index.provenance() if self.suffix_index is not None else {}
+
+    @torch.inference_mode()
+    def step(self, call: StepCall, proposed: Proposed | None = None) -> tuple[Verdict, StepTimings]:
+        """Admit the call's new rows and run the step on the draft actor's proposal: verify, accept,
+        roll back, retire. The verdict (its features on the host, for a feature draft) goes back to
+        the coordinator, which forwards it to the draft actor with the micro-batch's next call.
+
+        With a colocated drafter (`proposed` None), one call runs up to `call.max_steps` steps and
+        returns after the first that retires a row: until a row finishes no slot frees, so the
+        coordinator has nothing to admit, and one call saves the others' round trips. Only the last
+        step can retire rows, so its verdict is the call's; the timings count every step."""
         start = time.perf_counter()
-        side = self.store.apply(mb, update)
-        if self.drafts is not None:
-            return self._steps(self.drafts.apply(mb, update), side, k, tree_budget, max_steps, controller, start), None
-        assert max_steps == 1 and controller is None, "several steps per call need the drafter in this actor"
-        if wire is None:
-            proposal = Proposal.empty(len(side), self.vocab_size, self.device)
+        if not self.colocated:
+            assert proposed is not None and call.max_steps == 1, "a draft actor proposes each step"
+            target: TargetSide = self.sides.get(call)
+            if call.new_rows:
+                target.add(call.new_rows)
+            hook = ReceivedPlan(target.spec, proposed.plan)
+            wire = proposed.wire
+            proposal = decode_proposal(wire, self.device) if isinstance(wire, WireProposal) else on_device(wire, self.device)
+            verdict = speculative_step(ReceivedProposal(proposal), target, hook)
+            if verdict.features is not None:  # to the host in one copy: they travel to the draft actor
+                sizes = [len(f) for f in verdict.features]
+                host = tuple(torch.cat(verdict.features).cpu().split(sizes)) if sizes else ()
+                verdict = dataclasses.replace(verdict, features=host)
+            timings = hook.timings
+            timings.draft_s = proposed.busy_s  # the draft actor's seconds for this step, reported with it
         else:
-            proposal = decode_proposal(wire, self.device)
-        outcome = side.verify(proposal, k, tree_budget)
-        features = None
-        if outcome.features is not None:  # to the host in one copy: they travel through the object store
-            sizes = [len(f) for f in outcome.features]
-            features = tuple(torch.cat(outcome.features).cpu().split(sizes)) if sizes else ()
-            outcome = dataclasses.replace(outcome, features=None)
-        nbytes = sum(f.numel() * f.element_size() for f in features) if features else 0
-        return VerifyResult(outcome, time.perf_counter() - start, nbytes), features
+            draft, target = self.sides.get(call)
+            hook = self.planner.for_spec(target.spec)
+            if call.new_rows:
+                draft.add(call.new_rows)
+                target.add(call.new_rows)
+            before = dataclasses.replace(hook.timings)
+            for _ in range(call.max_steps):
+                verdict = speculative_step(draft, target, hook)
+                if verdict.finished:
+                    break
+            timings = _minus(hook.timings, before)
+        timings.wall_s = time.perf_counter() - start
+        return verdict, timings
+
+
+def _minus(a: StepTimings, b: StepTimings) -> StepTimings:
+    return StepTimings(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in dataclasses.fields(StepTimings)})

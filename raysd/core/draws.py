@@ -16,6 +16,7 @@ of a row share a position), draw index j in [0, num_draws).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -53,3 +54,12 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, num_draws: in
     hi = _mix32(h ^ 0x68E31DA4) >> 5  # 27 bits
     lo = _mix32(h ^ 0xB5297A4D) >> 6  # 26 bits
     return ((hi << 26) + lo).double() * 2.0**-53  # [B, N]
+
+
+def step_uniforms(seeds, positions, K: int, device) -> torch.Tensor:
+    """[B, 2K + 1] float64 draws for one speculative step, computed on `device`: K for drafting
+    (a tree: one per node), K for acceptance, 1 for the final token, keyed by each row's seed
+    and the tokens it has generated so far (host sequences or arrays)."""
+    keys = torch.as_tensor(np.stack([np.asarray(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64)]))  # [2, B]
+    keys = keys.to(device, non_blocking=True)
+    return counter_uniforms(keys[0], keys[1], 2 * K + 1)

@@ -25,9 +25,14 @@ PLACEHOLDER_TOKEN_ID = -1  # public: marks the unused tail of each output row
 
 @dataclass(frozen=True)
 class RejectionOutput:
+    """What a rejection test decided, on the device: for a chain (`rejection_sample`) and a tree
+    (raysd.core.tree.tree_rejection_sample) alike."""
+
     output_token_ids: torch.Tensor  # [B, K + 1] accepted drafts, then recovered or bonus, then -1
-    num_accepted: torch.Tensor  # [B] accepted drafts per row; tokens emitted = num_accepted + 1
-    num_tested: torch.Tensor  # [B] positions whose rejection test ran: min(num_accepted + 1, num_drafts)
+    num_accepted: torch.Tensor  # [B] accepted drafts per row (a tree: the accepted depth); tokens emitted = num_accepted + 1
+    num_tested: torch.Tensor  # [B] positions (a tree: nodes) whose rejection test ran
+    # A tree only: the node at each accepted depth, [B, D], -1 past num_accepted; None for a chain.
+    accepted_nodes: torch.Tensor | None = None
 
     @classmethod
     def from_prefix(cls, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, num_accepted: torch.Tensor,

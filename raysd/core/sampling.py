@@ -13,6 +13,9 @@ from typing import Sequence
 
 import torch
 
+MAX_TOP_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "processed")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +28,16 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False
+    # Stop strings: generation ends at the first occurrence of one in the decoded output (the
+    # engine needs the target's tokenizer); the text is cut before it unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # Log-probabilities of the generated tokens under the target, from the verify pass: "raw" the
+    # log-softmax of the target's logits (vLLM's default), "processed" of the distribution sampled
+    # (temperature, top-k, top-p applied); top_logprobs > 0 also gives the N most likely tokens'.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and self.temperature == self.temperature):
@@ -38,6 +51,15 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:

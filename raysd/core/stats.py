@@ -1,9 +1,12 @@
-"""Per-sample speculative decoding statistics (names as in vLLM's spec-decode metrics)."""
+"""Speculative decoding statistics (names as in vLLM's spec-decode metrics): `BatchStats` counts
+every step of the rows in flight, and hands each finished row its `SpecDecodeStats`."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
+
+import numpy as np
 
 
 @dataclass
@@ -23,6 +26,8 @@ class SpecDecodeStats:
     `alpha_estimate` reads the rank-0 (sampled) child of each node on the accepted path.
     `num_branch_accepts` counts accepted nodes that were not a rank-0 child: tokens a chain
     would not have drafted (0 for a chain).
+
+    Counted by `BatchStats.observe`, the one place statistics are counted.
     """
 
     num_speculative_tokens: int  # K: sets the lengths of the two per-position lists
@@ -47,24 +52,6 @@ class SpecDecodeStats:
             raise ValueError("histogram lengths do not match num_speculative_tokens")
         if not 0 <= self.num_branch_accepts <= self.num_accepted_draft_tokens:
             raise ValueError(f"num_branch_accepts must be in 0..num_accepted_draft_tokens, got {self.num_branch_accepts}")
-
-    def observe(self, num_drafted: int, num_accepted: int, overlaps: Sequence[float], k: int | None = None) -> None:
-        """Record one chain step: drafts verified, drafts accepted, the overlap at each tested
-        position, and the speculation length K this row was offered (default: num_drafted).
-        (Tree steps are recorded by raysd.engine.batch.Batch.emit.)"""
-        k = num_drafted if k is None else k
-        if not 0 <= num_accepted <= num_drafted <= k <= self.num_speculative_tokens:
-            raise ValueError(f"bad step: {num_accepted} accepted of {num_drafted}, K={k} (max {self.num_speculative_tokens})")
-        self.num_spec_steps += 1
-        self.speculation_length_sum += k
-        self.num_steps_without_drafts += k == 0
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_draft_tokens += num_accepted
-        self.acceptance_histogram[num_accepted] += 1
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-        self.overlap_sum += float(sum(overlaps))
-        self.num_tested_positions += len(overlaps)
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -115,3 +102,75 @@ class SpecDecodeStats:
     def state(self) -> dict:
         """Everything, for moving the object between processes."""
         return asdict(self)
+
+
+_COUNTERS = ("steps", "offered", "no_draft", "drafted", "accepted", "tested", "branch", "overlap_sum")
+
+
+class BatchStats:
+    """SpecDecodeStats of every row in flight, as arrays with one entry per row (slot order).
+
+    One step's counts for the whole batch are a few vectorised updates (`observe`), whatever the
+    batch size; `row(b)` is row b's SpecDecodeStats. Rows join with `add` and leave with `keep`.
+    """
+
+    def __init__(self, num_speculative_tokens: int):
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        K = self.K = num_speculative_tokens
+        for name in _COUNTERS:
+            setattr(self, name, np.zeros(0, dtype=np.float64 if name == "overlap_sum" else np.int64))
+        self.histogram = np.zeros((0, K + 1), dtype=np.int64)  # [B, K + 1] steps that accepted exactly j
+        self.per_position = np.zeros((0, K), dtype=np.int64)  # [B, K] accepts at draft position i
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, n: int) -> None:
+        """n new rows at the end, with nothing counted."""
+        for name in _COUNTERS + ("histogram", "per_position"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros((n,) + a.shape[1:], dtype=a.dtype)]))
+
+    def keep(self, order: Sequence[int]) -> None:
+        idx = np.asarray(order, dtype=np.int64)
+        for name in _COUNTERS + ("histogram", "per_position"):
+            setattr(self, name, getattr(self, name)[idx])
+
+    def observe(self, offered: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, tested: np.ndarray,
+                overlap_sums: np.ndarray, branch: np.ndarray | None = None) -> None:
+        """One step of every row, each [B]: the K it was offered, the drafts (a tree's nodes) the
+        target verified, how many it accepted (the accepted depth), the positions whose test ran,
+        the overlaps summed over them, and (a tree) the accepted nodes that were not rank-0 children.
+        A step that breaks 0 <= accepted <= drafted <= offered <= K raises and counts nothing."""
+        arrays = [np.asarray(a, dtype=np.int64) for a in (offered, drafted, accepted, tested)]
+        offered, drafted, accepted, tested = arrays
+        B = len(self)
+        if any(a.shape != (B,) for a in arrays) or np.shape(overlap_sums) != (B,):
+            raise ValueError(f"a step needs one count per row ({B})")
+        ok = (accepted >= 0) & (accepted <= drafted) & (accepted <= self.K) & (offered >= 0) & (offered <= self.K)
+        ok &= (drafted <= offered) | (branch is not None)  # a tree verifies more nodes than its depth K
+        if not ok.all():
+            b = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"bad step for row {b}: {accepted[b]} accepted of {drafted[b]} drafted, "
+                             f"K={offered[b]} offered (max {self.K})")
+        self.steps += 1
+        self.offered += offered
+        self.no_draft += offered == 0
+        self.drafted += drafted
+        self.accepted += accepted
+        self.tested += tested
+        self.overlap_sum += np.asarray(overlap_sums, dtype=np.float64)
+        np.add.at(self.histogram, (np.arange(B), accepted), 1)
+        self.per_position += np.arange(self.K)[None, :] < accepted[:, None]
+        if branch is not None:
+            self.branch += np.asarray(branch, dtype=np.int64)
+
+    def row(self, b: int) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.K, num_spec_steps=int(self.steps[b]), num_draft_tokens=int(self.drafted[b]),
+            num_accepted_draft_tokens=int(self.accepted[b]), acceptance_histogram=self.histogram[b].tolist(),
+            accepted_per_position=self.per_position[b].tolist(), overlap_sum=float(self.overlap_sum[b]),
+            num_tested_positions=int(self.tested[b]), speculation_length_sum=int(self.offered[b]),
+            num_steps_without_drafts=int(self.no_draft[b]), num_branch_accepts=int(self.branch[b]),
+        )

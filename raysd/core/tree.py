@@ -30,20 +30,10 @@ rejected, and no later sibling has moved the walk).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from raysd.core.rejection import PLACEHOLDER_TOKEN_ID
+from raysd.core.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput
 from raysd.core.sampling import sample_from_probs
-
-
-@dataclass(frozen=True)
-class TreeOutput:
-    output_token_ids: torch.Tensor  # [B, D + 1] accepted path's tokens, then the recovered or bonus token, then -1
-    num_accepted: torch.Tensor  # [B] depth of the accepted path; tokens emitted = num_accepted + 1
-    accepted_nodes: torch.Tensor  # [B, D] node index at each accepted depth, -1 past num_accepted
-    num_tested: torch.Tensor  # [B] nodes whose acceptance test ran
 
 
 def tree_rejection_sample(
@@ -55,7 +45,9 @@ def tree_rejection_sample(
     accept_uniforms: torch.Tensor,  # [B, N] in [0, 1)
     final_uniforms: torch.Tensor,  # [B] in [0, 1)
     max_depth: int,  # D >= the deepest node's depth (sizes the output)
-) -> TreeOutput:
+) -> RejectionOutput:
+    """Returns the accepted path's tokens [B, D + 1] (then the recovered or bonus token, then -1),
+    its depth, the nodes tested, and `accepted_nodes` [B, D]."""
     B, N = draft_token_ids.shape
     V = target_probs.shape[-1]
     assert parents.shape == (B, N) and num_nodes.shape == (B,)
@@ -96,7 +88,7 @@ def tree_rejection_sample(
         tested = tested + live.long()
     final = sample_from_probs(p, final_uniforms)  # [B] recovered (after rejections) or bonus (at a leaf)
     path_tokens[rows, depth] = final
-    return TreeOutput(path_tokens, depth, path_nodes, tested)
+    return RejectionOutput(path_tokens, depth, tested, path_nodes)
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def rank_visits(shape: TreeShape, num_nodes: Sequence[int], paths: Sequence[Sequ
     per-rank acceptance (raysd.engine.adaptive.KController.rank_rates).
 
     Row b verified the first `num_nodes[b]` nodes of `shape` and its walk went through the nodes
-    `paths[b]` (root first; TreeOutput.accepted_nodes). At every node the walk stood on, the root
+    `paths[b]` (root first; RejectionOutput.accepted_nodes). At every node the walk stood on, the root
     included, each child it had among the row's nodes counts once in `offered[rank]`, and the
     child the walk moved to (if any) once in `moved[rank]`. moved[r] / offered[r] estimates the
     chance that the walk moves from a node to its rank-r child, which is a node's value in the

@@ -8,7 +8,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 
 from raysd.distill.data import (DistillResult, encode_prompt, generate_teacher_data, head_vocabulary, load_teacher_data,
                                 merge_teacher_meta, read_prompts, save_teacher_data, select_training_prompts,

@@ -10,18 +10,19 @@ from typing import Sequence
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
+from raysd.models.dynamic_runner import DynamicRunner
 from raysd.models.loading import eos_token_ids
-from raysd.models.runner import ModelRunner
 
 
 class _Stepper:
-    """Single-token decode steps of one model through raysd's ModelRunner, after a prefill."""
+    """Single-token decode steps of one model through raysd's DynamicRunner, after a prefill."""
 
     def __init__(self, model, context: Sequence[int], batch_size: int):
-        self.runner = ModelRunner(model)
+        self.runner = DynamicRunner(model)
         self.runner.add_rows(batch_size)
         ids = torch.tensor([list(context)] * batch_size, dtype=torch.int64)
         self.ones = torch.ones(batch_size, dtype=torch.int64)
@@ -55,7 +56,8 @@ def step_costs(models: Sequence, context: Sequence[int], batch_size: int = 1, st
 
 
 def _run(target, drafter, prompts, k, batch_size, max_new_tokens):
-    engine = SpecEngine(target, drafter, EngineConfig(k, batch_size, eos_token_ids(target)))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=eos_token_ids(target))
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=batch_size))
     reqs = [Request(i, p, SamplingParams(max_new_tokens=max_new_tokens)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     results = engine.generate(reqs)
@@ -109,7 +111,7 @@ def evaluate_draft(
         alpha = {t: s["overlap"] / max(1, s["tested"]) for t, s in per_task.items()}
         entry = {
             "tokens": tokens, "target_only_s": base_s, "spec_s": spec_s, "speedup": base_s / spec_s,
-            "draft_s": timings.draft_s, "verify_s": timings.target_s,
+            "draft_s": timings.draft_s, "verify_s": timings.verify_s,
             "alpha_by_task": alpha, "alpha_mean_over_tasks": sum(alpha.values()) / len(alpha),
             "acceptance_rate_by_task": {t: s["accepted"] / max(1, s["drafted"]) for t, s in per_task.items()},
             "mean_acceptance_length_by_task": {t: 1 + s["accepted"] / max(1, s["steps"]) for t, s in per_task.items()},

@@ -35,72 +35,15 @@ and offline; here the choice is made each step from rates measured on the run.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from raysd.core.stats import SpecDecodeStats
+from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.core.theory import expected_tokens_per_step
 from raysd.core.tree_shape import RANK_PRIOR, TreeShape, tree_shape
 from raysd.models.profile import time_forward, time_forward_upto
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Measured seconds per step at a few batch sizes (e.g. from `raysd study`)."""
-
-    batch_sizes: tuple[int, ...]  # increasing
-    target_s: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][K_max + 1]: T_target(B, K + 1) for K = 0..K_max
-    draft_s: tuple[float, ...]  # [len(batch_sizes)]: one draft forward (0 for a model-free drafter)
-
-    def __post_init__(self) -> None:
-        n = len(self.batch_sizes)
-        if n == 0 or list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
-            raise ValueError(f"batch_sizes must be increasing positive integers, got {self.batch_sizes}")
-        if len(self.target_s) != n or len(self.draft_s) != n:
-            raise ValueError("target_s and draft_s need one entry per batch size")
-        if len({len(row) for row in self.target_s}) != 1 or not self.target_s[0]:
-            raise ValueError("every target_s row needs the same K_max + 1 entries")
-        if any(t <= 0 for row in self.target_s for t in row) or any(t < 0 for t in self.draft_s):
-            raise ValueError("step times must be positive (draft times >= 0)")
-
-    @property
-    def k_max(self) -> int:
-        return len(self.target_s[0]) - 1
-
-    def target(self, batch_size: int, k: int) -> float:
-        return _interpolate(self.batch_sizes, [row[k] for row in self.target_s], batch_size)
-
-    def draft(self, batch_size: int) -> float:
-        return _interpolate(self.batch_sizes, self.draft_s, batch_size)
-
-
-def _interpolate(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
-    """Piecewise linear in the batch size; constant below the first point, linear beyond the last."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), min(ys) * 0.5)
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    costs: StepCosts
-    overlapped: bool = False  # draft and target in separate actors, overlapped
-    prior_alpha: float = 0.5  # what a row with no history is assumed to accept
-    prior_weight: float = 4.0  # pseudo tested positions behind the prior
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0:
-            raise ValueError("prior_alpha must be in [0, 1] and prior_weight > 0")
-
-
-def row_alpha(stats: SpecDecodeStats, prior_alpha: float, prior_weight: float) -> float:
-    return (stats.overlap_sum + prior_alpha * prior_weight) / (stats.num_tested_positions + prior_weight)
 
 
 class KController:
@@ -116,10 +59,13 @@ class KController:
     tree tree_shape(P', K) cut at depth k (module docstring)."""
 
     def __init__(self, config: AdaptiveConfig, tree_budget: int = 0, depth: int = 0):
-        if tree_budget and (depth < 1 or config.costs.k_max < tree_budget):
-            raise ValueError(f"a tree budget needs depth >= 1 and step costs up to K = {tree_budget}, "
-                             f"got depth {depth} and costs up to {config.costs.k_max}")
+        if tree_budget and depth < 1:
+            raise ValueError(f"a tree budget needs depth >= 1, got {depth}")
+        if tree_budget and config.costs is not None and config.costs.k_max < tree_budget:
+            raise ValueError(f"a tree budget needs step costs up to K = {tree_budget}, got costs up to {config.costs.k_max}")
         self.config = config
+        # Measured beforehand (a profile), or learned from the steps as they run.
+        self.costs = config.costs if config.costs is not None else LearnedStepCosts(max(depth, tree_budget, 1))
         self.overlap_sum = 0.0
         self.num_tested_positions = 0
         self.trees = [_TreeCandidate(P, tree_shape(P, depth)) for P in tree_budgets(tree_budget)]
@@ -127,6 +73,9 @@ class KController:
         self.rank_offered = np.zeros(R, dtype=np.int64)  # rank_visits, summed over every tree step
         self.rank_moved = np.zeros(R, dtype=np.int64)
         self.chosen: Counter[tuple[int, int]] = Counter()  # steps per (k, tree budget) chosen
+        # A drafter's own confidence against what it delivered (choose_k_by_confidence, observe_all).
+        self.confidence_expected = self.confidence_accepted = 0.0
+        self._expected: float | None = None  # what the last confidence-planned step expected
 
     @property
     def prior(self) -> float:
@@ -139,12 +88,9 @@ class KController:
         w = self.config.prior_weight
         return (self.rank_moved + np.asarray(RANK_PRIOR) * w) / (self.rank_offered + w)
 
-    def choose_k(self, stats: Sequence[SpecDecodeStats], budgets: Sequence[int]) -> int:
-        return self.choose_k_from([s.overlap_sum for s in stats], [s.num_tested_positions for s in stats], budgets)
-
     def choose_k_from(self, overlap_sums: Sequence[float], tested: Sequence[int], budgets: Sequence[int]) -> int:
         """choose_k from the rows' statistics as arrays (the engine's Batch)."""
-        return choose_k(self._alphas(overlap_sums, tested), budgets, self.config)
+        return choose_k(self._alphas(overlap_sums, tested), budgets, self.config, self.costs)
 
     def choose_plan_from(self, overlap_sums: Sequence[float], tested: Sequence[int],
                          budgets: Sequence[int]) -> tuple[int, int]:
@@ -152,7 +98,11 @@ class KController:
         (k = 0: plain decoding), (k, P) the tree of budget P cut at depth k. A tree must beat the
         best chain strictly, so with no tree budget this is (choose_k_from, 0)."""
         alphas = self._alphas(overlap_sums, tested)
-        plan = (choose_k(alphas, budgets, self.config), 0)
+        if isinstance(self.costs, LearnedStepCosts) and not self.costs.knows(len(alphas)):
+            plan = (0, 0)  # a safe first step at this batch size: plain decoding, which measures T_target(B, 1)
+            self.chosen[plan] += 1
+            return plan
+        plan = (choose_k(alphas, budgets, self.config, self.costs), 0)
         if self.trees and len(alphas):
             best = self.goodput(alphas, budgets, *plan)
             a, caps, rates = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0), np.asarray(budgets), self.rank_rates()
@@ -166,7 +116,7 @@ class KController:
     def goodput(self, alphas: Sequence[float], budgets: Sequence[int], k: int, tree_budget: int = 0) -> float:
         """Expected tokens per second of a step: a chain of k drafts, or the tree of `tree_budget`
         (one of `tree_budgets(P)`) cut at depth k; rows capped by their budgets (room)."""
-        B, costs, overlapped = len(alphas), self.config.costs, self.config.overlapped
+        B, costs, overlapped = len(alphas), self.costs, self.config.overlapped
         if not tree_budget:
             tokens = sum(expected_tokens_per_step(min(max(a, 0.0), 1.0), min(k, cap)) for a, cap in zip(alphas, budgets))
             return tokens / step_seconds(costs, B, k, overlapped)
@@ -178,7 +128,7 @@ class KController:
                        rates: np.ndarray) -> list[tuple[int, float]]:
         """(k, goodput) of the tree cut at each depth k up to the rows' largest cap that adds a
         node off the rank-0 chain (a cut with the chain's nodes only is a chain candidate)."""
-        B, costs, overlapped = len(alphas), self.config.costs, self.config.overlapped
+        B, costs, overlapped = len(alphas), self.costs, self.config.overlapped
         reach = tree.reach(alphas, rates)  # [B, D]
         D = reach.shape[1]
         per_depth = np.where(np.arange(D)[None, :] < caps[:, None], reach, 0.0).sum(axis=0)  # [D]
@@ -194,21 +144,57 @@ class KController:
         prior, w = self.prior, self.config.prior_weight
         return [(o + prior * w) / (n + w) for o, n in zip(overlap_sums, tested)]
 
-    def observe_all(self, overlap_sum: float, tested: int) -> None:
-        """Several rows' tested positions at once."""
+    def observe_all(self, overlap_sum: float, tested: int, accepted: int = 0) -> None:
+        """Several rows' tested positions at once (and the drafts they accepted, for the calibration
+        of a step planned by the drafter's confidence)."""
         self.overlap_sum += float(overlap_sum)
         self.num_tested_positions += int(tested)
+        if self._expected is not None:
+            self.confidence_expected += self._expected
+            self.confidence_accepted += accepted
+            self._expected = None
+
+    def choose_k_by_confidence(self, confidence: np.ndarray, budgets: Sequence[int]) -> int:
+        """The K of best expected goodput from the drafter's own estimates ([B, K]: the chance that
+        row b's drafts up to position i are all accepted; raysd.engine.suffix), calibrated by how
+        many such estimates the rows' verdicts have borne out (`calibration`): E_b(k) = 1 +
+        c sum_{i < min(k, budget_b)} confidence[b, i] tokens per row, against the step's cost."""
+        B = len(budgets)
+        if isinstance(self.costs, LearnedStepCosts) and not self.costs.knows(B):
+            self.chosen[(0, 0)] += 1
+            return 0  # the safe first step at this batch size (choose_plan_from)
+        caps = np.minimum(np.asarray(budgets, dtype=np.int64), confidence.shape[1])  # [B]
+        positions = np.arange(confidence.shape[1])[None, :]  # [1, K]
+        cumulative = np.cumsum(np.where(positions < caps[:, None], confidence, 0.0), axis=1)  # [B, K]
+        c = self.calibration
+        best_k, best = 0, B / step_seconds(self.costs, B, 0, self.config.overlapped)
+        for k in range(1, min(self.costs.k_max, int(caps.max(initial=0))) + 1):
+            goodput = (B + c * cumulative[:, k - 1].sum()) / step_seconds(self.costs, B, k, self.config.overlapped)
+            if goodput > best:
+                best_k, best = k, goodput
+        self.chosen[(best_k, 0)] += 1
+        self._expected = float(cumulative[:, best_k - 1].sum()) if best_k else 0.0
+        return best_k
+
+    @property
+    def calibration(self) -> float:
+        """Accepted drafts per accepted draft the drafter's confidence expected, over every step
+        planned by it (shrunk towards 1 by prior_weight pseudo-drafts)."""
+        w = self.config.prior_weight
+        return (self.confidence_accepted + w) / (self.confidence_expected + w)
+
+    def observe_step(self, batch_size: int, width: int, k: int, verify_s: float, draft_s: float) -> None:
+        """A step's own timings, for costs learned as the job runs (a measured profile ignores them):
+        `width` tokens per row verified (the pending token and the widest row's drafts), k drafts
+        offered (a draft model's forwards), the seconds of each side."""
+        if isinstance(self.costs, LearnedStepCosts):
+            self.costs.observe(batch_size, width, verify_s, draft_s / k if k else None)
 
     def observe_ranks(self, offered: Sequence[int], moved: Sequence[int]) -> None:
         """A tree step's walk, counted by rank (raysd.core.tree_shape.rank_visits)."""
         # New arrays, not in place: a controller sent to an actor arrives with read-only arrays.
         self.rank_offered = self.rank_offered + by_rank(offered, len(self.rank_offered))
         self.rank_moved = self.rank_moved + by_rank(moved, len(self.rank_moved))
-
-    def observe(self, overlaps: Sequence[float]) -> None:
-        """One row's tested positions in one step."""
-        self.overlap_sum += float(sum(overlaps))
-        self.num_tested_positions += len(overlaps)
 
 
 def by_rank(counts: Sequence[int], R: int) -> np.ndarray:
@@ -285,16 +271,81 @@ def num_micro_batches(costs: StepCosts, batch_size: int, k: int) -> int:
     return 2 if 2 * step_seconds(costs, half, k, overlapped=True) < serial else 1
 
 
-def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveConfig) -> int:
-    """The K in 0..K_max with the highest expected goodput for this batch."""
+def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveConfig,
+             costs: StepCosts | LearnedStepCosts | None = None) -> int:
+    """The K in 0..K_max with the highest expected goodput for this batch (`costs`: the config's
+    profile by default)."""
+    costs = config.costs if costs is None else costs
     B = len(alphas)
-    best_k, best = 0, B / step_seconds(config.costs, B, 0, config.overlapped)
-    for k in range(1, min(config.costs.k_max, max(budgets, default=0)) + 1):
+    best_k, best = 0, B / step_seconds(costs, B, 0, config.overlapped)
+    for k in range(1, min(costs.k_max, max(budgets, default=0)) + 1):
         tokens = sum(expected_tokens_per_step(min(max(a, 0.0), 1.0), min(k, cap)) for a, cap in zip(alphas, budgets))
-        goodput = tokens / step_seconds(config.costs, B, k, config.overlapped)
+        goodput = tokens / step_seconds(costs, B, k, config.overlapped)
         if goodput > best:
             best_k, best = k, goodput
     return best_k
+
+
+class LearnedStepCosts:
+    """Step costs learned from the job's own timed steps: no profiling pass before the first token.
+
+    StepCosts' interface (target(B, k) = T_target(B, k + 1), draft(B), k_max), filled as steps run:
+    per batch-size bucket (powers of two) and per verified width w (tokens per row), a running mean
+    of the measured seconds (the latest steps weigh most: `decay`). What is not measured yet:
+    - a width between two measured ones: linear interpolation; beyond the widest, the widest's
+      cost (optimistic: the next choice of a wider step measures it, once);
+    - a bucket with nothing measured: the nearest measured bucket's costs;
+    - a draft forward: free until a drafting step has been timed.
+    KController starts each bucket with a plain step (`knows`), whose cost every plan is weighed
+    against; a drafting step is then chosen only where, at the costs known so far, it pays. A job
+    thus explores each width it might choose once per bucket, and then decides on measured costs."""
+
+    def __init__(self, k_max: int, decay: float = 0.25):
+        if k_max < 1 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"need k_max >= 1 and decay in (0, 1], got {k_max}, {decay}")
+        self.k_max, self.decay = k_max, decay
+        self.verify: dict[int, dict[int, float]] = {}  # bucket -> width -> seconds
+        self.draft_forward: dict[int, float] = {}  # bucket -> seconds of one draft forward
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, (int(batch_size) - 1).bit_length())
+
+    def observe(self, batch_size: int, width: int, verify_s: float, draft_forward_s: float | None = None) -> None:
+        b = self.bucket(batch_size)
+        table = self.verify.setdefault(b, {})
+        table[width] = verify_s if width not in table else (1 - self.decay) * table[width] + self.decay * verify_s
+        if draft_forward_s is not None:
+            old = self.draft_forward.get(b)
+            self.draft_forward[b] = draft_forward_s if old is None else (1 - self.decay) * old + self.decay * draft_forward_s
+
+    def knows(self, batch_size: int) -> bool:
+        """Whether a plain step (width 1) has been timed in this batch size's bucket."""
+        return 1 in self.verify.get(self.bucket(batch_size), {})
+
+    def _nearest(self, table: dict[int, object], batch_size: int):
+        b = self.bucket(batch_size)
+        if b in table or not table:
+            return table.get(b)
+        return table[min(table, key=lambda x: abs(x.bit_length() - b.bit_length()))]
+
+    def target(self, batch_size: int, k: int) -> float:
+        table = self._nearest(self.verify, batch_size)
+        if not table:
+            return 1.0  # nothing timed anywhere: every plan costs the same until a step is
+        w = k + 1
+        widths = sorted(table)
+        if w in table:
+            return table[w]
+        below = [x for x in widths if x < w]
+        above = [x for x in widths if x > w]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return table[lo] + (table[hi] - table[lo]) * (w - lo) / (hi - lo)
+        return table[(below or above)[-1] if below else above[0]]
+
+    def draft(self, batch_size: int) -> float:
+        return self._nearest(self.draft_forward, batch_size) or 0.0
 
 
 def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence[int] = (1, 4, 16, 64),

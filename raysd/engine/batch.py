@@ -1,48 +1,111 @@
-"""The rows in flight, as arrays: one entry per batch slot, updated once per step from the verdict.
+"""The rows in flight, as arrays, and what a step plans (`Plan`) and decides (`Verdict`) for them.
 
-Budgets, stop sets, emitted-token counts and the acceptance statistics of every row live in
-numpy arrays indexed by slot (slot b is row b of both runners), so the bookkeeping after a
-step is a handful of vectorised operations on the step's one read-back, whatever the batch
-size: no per-row objects, no per-row draws. The only per-row Python left is appending each
-row's kept tokens to its output list.
+The verdict is the one record of a step: read back from the device once and applied by both
+sides (raysd.engine.step). The rows' state is one entry per batch slot, updated once per step
+from the verdict.
+
+Slot b is row b of the side's runner. Budgets, stop sets, emitted-token counts and the rows'
+statistics (raysd.core.stats.BatchStats) live in numpy arrays indexed by slot, so the
+bookkeeping after a step is a handful of vectorised operations on the step's one read-back,
+whatever the batch size. Both sides of a step keep a Batch and apply the same verdicts to it
+(`accept`, `keep`), so they agree on every row's room and acceptance without being told.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from raysd.core.sampling import SamplingParams
-from raysd.core.stats import SpecDecodeStats
-from raysd.engine.rows import GenerationResult, Request
-from raysd.engine.verifier import Verdict
+from raysd.core.speculation import SpeculationConfig
+from raysd.core.stats import BatchStats
+from raysd.core.tree_shape import TreeShape, tree_shape
+from raysd.engine.requests import GenerationResult, Request
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step drafts: up to `k` drafts per row (each capped by its room), or with
+    `tree_budget` P > 0 the tree tree_shape(P, K) cut at depth k; k = 0 is plain decoding."""
+
+    k: int
+    tree_budget: int = 0
+
+    def tree(self, depth: int) -> TreeShape | None:
+        """The draft tree both sides grow (the configured depth K), or None for a chain."""
+        return tree_shape(self.tree_budget, depth) if self.tree_budget else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one step decided for every row, in the step's row order: the one record of a step,
+    read back from the device once. Both sides apply it (`commit`); the Ray actors send it on."""
+
+    plan: Plan
+    kept: tuple[tuple[int, ...], ...]  # each row's accepted drafts, then its recovered or bonus token, cut at its stop
+    finish: np.ndarray  # [B] 0: the row runs on, else raysd.engine.batch.LENGTH or STOP
+    offered: np.ndarray  # [B] drafts the row was allowed: min(room, k)
+    drafted: np.ndarray  # [B] drafts (a tree's nodes) the target verified
+    accepted: np.ndarray  # [B] drafts accepted (the accepted depth): both caches keep them
+    tested: np.ndarray  # [B] positions whose rejection test ran
+    overlap: np.ndarray  # [B] float64: sum_x min(target_probs, draft_probs) summed over the tested positions
+    keep: tuple[int, ...] | None  # rows left once finished ones retire (fill_holes order); None: all
+    finished: tuple[tuple[int, GenerationResult], ...]  # (caller's index, result) of the rows that ended
+    # A tree: the nodes each row's accepted path went through (the draft keeps that branch), the
+    # accepted nodes that were not a rank-0 child, and the walk counted by rank over the rows.
+    path: tuple[tuple[int, ...], ...] | None = None
+    branch: np.ndarray | None = None
+    rank_offered: tuple[int, ...] = ()
+    rank_moved: tuple[int, ...] = ()
+    # A feature draft (EAGLE): each row's target features [n, H] of the positions it cached for good
+    # this step (a new row's prompt first); else None.
+    features: tuple[torch.Tensor, ...] | None = None
+    # Rows that asked for them (SamplingParams.logprobs): the target's log-probability of each
+    # emitted token [B, W], and the top tokens' ids and log-probabilities ([B, W, N] each); else None.
+    logprobs: np.ndarray | None = None
+    top_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def step_overlap(self) -> float:
+        return float(self.overlap.sum())
+
+    @property
+    def step_tested(self) -> int:
+        return int(self.tested.sum())
+
 
 LENGTH, STOP = 1, 2  # finish reasons, as codes
 _REASONS = {LENGTH: "length", STOP: "stop"}
+_NO_TOKEN = -2  # pads each row's stop set (never a token id)
 
 
 class Batch:
-    """Slots of requests being generated. `add` appends, `keep` selects (the runners' order)."""
+    """Slots of requests being generated. `add` appends, `keep` selects (the runners' order).
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int, eos_token_ids: Sequence[int],
-                 feature_draft: bool = False):
-        K = self.K = num_speculative_tokens
-        self.feature_draft = feature_draft  # a row's first step offers no drafts (no features yet)
-        self.max_model_len = max_model_len
-        self.eos = tuple(eos_token_ids)
+    `spec.max_model_len` must be resolved (raysd.engine.requests.Admission). `feature_draft`: the
+    drafter reads the target's features (EAGLE), which a row has only after its first target
+    pass, so a row's first step offers no drafts."""
+
+    def __init__(self, spec: SpeculationConfig, feature_draft: bool = False, decode: Callable[[list[int]], str] | None = None):
+        assert spec.max_model_len is not None, "a batch needs the resolved max_model_len (Admission.of)"
+        self.spec, self.K, self.max_model_len = spec, spec.num_speculative_tokens, spec.max_model_len
+        self.feature_draft = feature_draft
+        self.decode = decode  # token ids -> text (the target's tokenizer), for stop strings
         self.requests: list[Request] = []
         self.ids: list[int] = []  # caller's index of each slot's request
         self.outputs: list[list[int]] = []
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731
         self.prompt_len, self.generated, self.max_new, self.seeds = i64(0), i64(0), i64(0), i64(0)
-        self.stop_ids = np.full((0, 1), -2, dtype=np.int64)  # [B, S] padded with -2 (no token id)
+        self.stop_ids = np.full((0, 1), _NO_TOKEN, dtype=np.int64)  # [B, S]
         self.finish = i64(0)  # 0 while running, else LENGTH or STOP
-        # Statistics (SpecDecodeStats' fields, one entry per slot).
-        self.steps, self.drafted, self.accepted, self.tested, self.k_sum, self.no_draft = (i64(0) for _ in range(6))
-        self.branch = i64(0)  # a tree's accepted nodes that were not a rank-0 child
-        self.histogram, self.per_position = i64(0, K + 1), i64(0, K)
-        self.overlap_sum = np.zeros(0)
+        self.stats = BatchStats(self.K)
+        # Rows whose requests asked for them: each emitted token's log-probability, and the top tokens'.
+        self.logprobs: list[list[float] | None] = []
+        self.top_logprobs: list[list[list[tuple[int, float]]] | None] = []
+        self.searched: list[int] = []  # per row: characters of its text already searched for stop strings
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -54,41 +117,35 @@ class Batch:
     def add(self, items: Sequence[tuple[int, Request]]) -> None:
         n = len(items)
         reqs = [r for _, r in items]
-        stops = [() if r.params.ignore_eos else self.eos for r in reqs]
-        stops = [tuple(s) + r.params.stop_token_ids for s, r in zip(stops, reqs)]
+        eos = self.spec.eos_token_ids
+        stops = [(() if r.params.ignore_eos else eos) + r.params.stop_token_ids for r in reqs]
         width = max([self.stop_ids.shape[1]] + [len(s) for s in stops])
-        new_stops = np.full((n, width), -2, dtype=np.int64)
+        stop_ids = np.full((len(self) + n, width), _NO_TOKEN, dtype=np.int64)
+        stop_ids[: len(self), : self.stop_ids.shape[1]] = self.stop_ids
         for b, s in enumerate(stops):
-            new_stops[b, : len(s)] = s
-        old_stops = np.full((len(self), width), -2, dtype=np.int64)
-        old_stops[:, : self.stop_ids.shape[1]] = self.stop_ids
-        self.stop_ids = np.concatenate([old_stops, new_stops])
+            stop_ids[len(self) + b, : len(s)] = s
+        self.stop_ids = stop_ids
         self.requests += reqs
         self.ids += [i for i, _ in items]
         self.outputs += [[] for _ in items]
-        cat = lambda a, new: np.concatenate([a, np.asarray(new, dtype=a.dtype).reshape((n,) + a.shape[1:])])  # noqa: E731
+        self.logprobs += [[] if r.params.logprobs else None for r in reqs]
+        self.top_logprobs += [[] if r.params.top_logprobs else None for r in reqs]
+        self.searched += [0] * n
+        cat = lambda a, new: np.concatenate([a, np.asarray(new, dtype=np.int64)])  # noqa: E731
         self.prompt_len = cat(self.prompt_len, [len(r.prompt_token_ids) for r in reqs])
         self.max_new = cat(self.max_new, [r.params.max_new_tokens for r in reqs])
         self.seeds = cat(self.seeds, [r.params.seed for r in reqs])
-        zeros = lambda a: cat(a, np.zeros((n,) + a.shape[1:]))  # noqa: E731
-        self.generated, self.finish = zeros(self.generated), zeros(self.finish)
-        for name in ("steps", "drafted", "accepted", "tested", "k_sum", "no_draft", "branch", "histogram", "per_position",
-                     "overlap_sum"):
-            setattr(self, name, zeros(getattr(self, name)))
+        self.generated, self.finish = cat(self.generated, [0] * n), cat(self.finish, [0] * n)
+        self.stats.add(n)
 
     def keep(self, order: Sequence[int]) -> None:
         """Keep the slots in `order`, in that order."""
         idx = np.asarray(order, dtype=np.int64)
-        self.requests = [self.requests[i] for i in order]
-        self.ids = [self.ids[i] for i in order]
-        self.outputs = [self.outputs[i] for i in order]
-        for name in ("prompt_len", "generated", "max_new", "seeds", "stop_ids", "finish", "steps", "drafted", "accepted",
-                     "tested", "k_sum", "no_draft", "branch", "histogram", "per_position", "overlap_sum"):
+        for name in ("requests", "ids", "outputs", "logprobs", "top_logprobs", "searched"):
+            setattr(self, name, [getattr(self, name)[i] for i in order])
+        for name in ("prompt_len", "generated", "max_new", "seeds", "stop_ids", "finish"):
             setattr(self, name, getattr(self, name)[idx])
-
-    def advance(self, kept: Sequence[Sequence[int]]) -> None:
-        """Count the tokens each row kept, with no verdict (the draft side's copy of `emit`)."""
-        self.generated += np.fromiter((len(k) for k in kept), dtype=np.int64, count=len(kept))
+        self.stats.keep(order)
 
     def room(self) -> np.ndarray:
         """[B] drafts worth verifying: the tokens each row may still emit, minus the bonus."""
@@ -96,51 +153,83 @@ class Batch:
         room = np.clip(left - 1, 0, self.K)
         return np.where(self.generated == 0, 0, room) if self.feature_draft else room
 
-    def emit(self, verdict: Verdict, offered: np.ndarray) -> list[list[int]]:
-        """Append each row's emitted tokens up to its first stop condition, update the statistics,
-        and return the tokens kept per row (for the runners' commit)."""
-        tokens, n_acc = verdict.tokens, verdict.num_accepted  # [B, W], [B]
+    def cut_at_stops(self, tokens: np.ndarray, num_accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each row's emitted tokens end: its accepted drafts and the recovered or bonus
+        token ([B, W] `tokens`, the first num_accepted + 1 of each row), cut after its first stop
+        token, its budget or the context. Returns [B] tokens kept and [B] finish codes (0: runs on)."""
         B, W = tokens.shape
         pos = np.arange(W)[None, :]  # [1, W]
-        emitted = pos < (n_acc + 1)[:, None]  # [B, W]
+        emitted = pos < (num_accepted + 1)[:, None]  # [B, W]
         stop = (tokens[:, :, None] == self.stop_ids[:, None, :]).any(-1) & emitted  # [B, W]
         done = self.generated[:, None] + pos + 1  # [B, W] tokens generated once position w is kept
         length = ((done >= self.max_new[:, None]) | (self.prompt_len[:, None] + done >= self.max_model_len)) & emitted
         end = stop | length  # [B, W]
         finished = end.any(axis=1)  # [B]
         first = np.where(finished, end.argmax(axis=1), W)  # [B]
-        n_keep = np.minimum(n_acc + 1, first + 1)  # [B]
-        rows = np.arange(B)
-        self.finish = np.where(finished, np.where(stop[rows, np.minimum(first, W - 1)], STOP, LENGTH), self.finish)
-        self.generated += n_keep
-        kept = [tokens[b, : n_keep[b]].tolist() for b in range(B)]
-        for out, new in zip(self.outputs, kept):
+        n_keep = np.minimum(num_accepted + 1, first + 1)  # [B]
+        codes = np.where(finished, np.where(stop[np.arange(B), np.minimum(first, W - 1)], STOP, LENGTH), 0)
+        return n_keep, codes
+
+    def stop_at_strings(self, tokens: np.ndarray, n_keep: np.ndarray, codes: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """Rows with stop strings (SamplingParams.stop) end at the first kept token whose decoding
+        completes one; the tokens after it are never emitted. Checked incrementally: only the text
+        past what earlier steps searched (less a stop string's length) is searched, and a row is
+        decoded token by token only in the step where a stop string appears. Returns `n_keep`,
+        the finish `codes` (STOP for those rows) and their output text, cut before the stop string
+        (or after it, with include_stop_str_in_output), by row."""
+        texts: dict[int, str] = {}
+        for b, request in enumerate(self.requests):
+            stops = request.params.stop
+            if not stops or not n_keep[b]:
+                continue
+            new = tokens[b, : n_keep[b]].tolist()
+            start = max(0, self.searched[b] - max(map(len, stops)) + 1)
+            text = self.decode(self.outputs[b] + new)
+            if not any(stop in text[start:] for stop in stops):
+                self.searched[b] = len(text)
+                continue
+            for j in range(len(new)):  # the first token whose text holds a stop string
+                text = self.decode(self.outputs[b] + new[: j + 1])
+                hits = [(at, stop) for stop in stops if (at := text.find(stop, start)) >= 0]
+                if hits:
+                    at, stop = min(hits)
+                    n_keep[b], codes[b] = j + 1, STOP
+                    texts[b] = text[: at + len(stop)] if request.params.include_stop_str_in_output else text[:at]
+                    break
+        return n_keep, codes, texts
+
+    def accept(self, verdict: Verdict) -> None:
+        """The step's kept tokens and statistics, row by row (both sides apply the same verdict)."""
+        self.generated += np.fromiter((len(k) for k in verdict.kept), dtype=np.int64, count=len(verdict.kept))
+        for out, new in zip(self.outputs, verdict.kept):
             out += new
-        # Statistics (SpecDecodeStats.observe, vectorised).
-        K = self.K
-        self.steps += 1
-        self.k_sum += offered
-        self.no_draft += offered == 0
-        self.drafted += verdict.num_drafted
-        self.accepted += n_acc
-        self.tested += verdict.num_tested
-        np.add.at(self.histogram, (rows, n_acc), 1)
-        self.per_position += np.arange(K)[None, :] < n_acc[:, None]
-        self.overlap_sum += verdict.overlap_sums()
-        if verdict.branch_accepts is not None:
-            self.branch += verdict.branch_accepts
-        return kept
+        if verdict.logprobs is not None:
+            for b, (lp, kept) in enumerate(zip(self.logprobs, verdict.kept)):
+                if lp is not None:
+                    lp += verdict.logprobs[b, : len(kept)].tolist()
+        if verdict.top_logprobs is not None:
+            ids, values = verdict.top_logprobs  # [B, W, N]
+            for b, (top, kept) in enumerate(zip(self.top_logprobs, verdict.kept)):
+                if top is not None:
+                    n = self.requests[b].params.top_logprobs
+                    top += [list(zip(ids[b, w, :n].tolist(), values[b, w, :n].tolist())) for w in range(len(kept))]
+        self.finish = np.where(verdict.finish != 0, verdict.finish, self.finish)
+        self.stats.observe(verdict.offered, verdict.drafted, verdict.accepted, verdict.tested, verdict.overlap,
+                           verdict.branch)
 
-    def stats(self, b: int) -> SpecDecodeStats:
-        return SpecDecodeStats(
-            self.K, num_spec_steps=int(self.steps[b]), num_draft_tokens=int(self.drafted[b]),
-            num_accepted_draft_tokens=int(self.accepted[b]), acceptance_histogram=self.histogram[b].tolist(),
-            accepted_per_position=self.per_position[b].tolist(), overlap_sum=float(self.overlap_sum[b]),
-            num_tested_positions=int(self.tested[b]), speculation_length_sum=int(self.k_sum[b]),
-            num_steps_without_drafts=int(self.no_draft[b]), num_branch_accepts=int(self.branch[b]),
-        )
-
-    def result(self, b: int) -> GenerationResult:
+    def result(self, b: int, acceptance: str, text: str | None = None) -> GenerationResult:
+        """Row b's result; `text`: its output cut at a stop string (stop_at_strings), if one ended it."""
         req = self.requests[b]
         reason = _REASONS.get(int(self.finish[b]), "length")
-        return GenerationResult(req.request_id, list(req.prompt_token_ids), list(self.outputs[b]), reason, self.stats(b))
+        return GenerationResult(req.request_id, list(req.prompt_token_ids), list(self.outputs[b]), reason,
+                                self.stats.row(b), acceptance=acceptance, text=text, logprobs=self.logprobs[b],
+                                top_logprobs=self.top_logprobs[b])
+
+
+def fill_holes(alive: Sequence[bool]) -> list[int]:
+    """The rows to keep, in an order that moves as few as possible: each finished row's slot
+    is taken by a surviving row from the end of the batch (a static cache copies only those)."""
+    n = sum(alive)
+    movers = [i for i in range(n, len(alive)) if alive[i]]
+    return [i if alive[i] else movers.pop() for i in range(n)]

@@ -17,12 +17,12 @@ import torch
 
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
-from raysd.engine.sequences import SequenceState
+from raysd.engine.cache_rows import CacheRows
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
-from raysd.models.loading import output_vocab_size
-from raysd.models.runners import make_runner
-from raysd.models.static_runner import StaticModelRunner, prefill_groups
+from raysd.models.loading import max_model_len, output_vocab_size
+from raysd.models.runner import make_runner
+from raysd.models.static_runner import StaticRunner, prefill_groups
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
@@ -52,6 +52,8 @@ class Drafter(ABC):
     # True: `propose_tree` drafts trees (and `commit_path` keeps the accepted branch, for a drafter
     # whose cache keeps drafted positions): a draft model or a feature draft on a static runner, n-gram
     supports_trees = False
+    # The drafter's own context limit (a draft model's), or None for a model-free drafter.
+    max_model_len: int | None = None
 
     @abstractmethod
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
@@ -66,6 +68,13 @@ class Drafter(ABC):
     @abstractmethod
     def commit(self, new_tokens: Sequence[Sequence[int]], num_accepted: Sequence[int] | None = None) -> None:
         """The tokens each row emitted this step (and, if known, how many drafts it accepted)."""
+
+    def confidence(self, max_drafts: Sequence[int]) -> np.ndarray | None:
+        """[B, K] the drafter's own estimate, before proposing, that row b's drafts up to position i
+        would all be accepted, for up to max_drafts[b] drafts (0 past them); None for a drafter
+        with no such estimate. A drafter that has one proposes, in the same step, the drafts it
+        estimated (raysd.engine.suffix)."""
+        return None
 
 
 class NoDrafter(Drafter):
@@ -108,27 +117,28 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        self.seqs = SequenceState(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size)))
-        self.supports_trees = isinstance(self.seqs.runner, StaticModelRunner)
+        self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size)))
+        self.supports_trees = isinstance(self.rows.runner, StaticRunner)
+        self.max_model_len = max_model_len(model)
         self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)
 
     def add_rows(self, prompts):
-        self.seqs.add_rows(prompts)
+        self.rows.add_rows(prompts)
 
     def select(self, rows):
-        self.seqs.select(rows)
+        self.rows.select(rows)
 
     def commit(self, new_tokens, num_accepted=None):
-        self.seqs.commit(new_tokens, num_accepted)
+        self.rows.commit(new_tokens, num_accepted)
 
     def propose(self, max_drafts, sampling, uniforms):
-        B, device = len(max_drafts), self.seqs.device
+        B, device = len(max_drafts), self.rows.device
         K = max(max_drafts, default=0)
         if K == 0:
             return Proposal.empty(B, self.target_vocab_size, device)
         ones = torch.ones(B, dtype=torch.int64, device=device)
         host_ones = (1,) * B
-        logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
+        logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
         tokens, probs = [], []
         for i in range(K):
             p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
@@ -136,19 +146,19 @@ class DraftModelDrafter(Drafter):
             tokens.append(t)
             probs.append(p)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
-                logits = self.seqs.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
+                logits = self.rows.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
         """After a tree: the tokens each row emitted and the tree nodes its accepted path went through."""
-        self.seqs.commit_path(new_tokens, path, self._fed_depth)
+        self.rows.commit_path(new_tokens, path, self._fed_depth)
 
     def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,
                      uniforms: torch.Tensor) -> Proposal:
         """A tree of drafts per row: the first `shape.nodes_within(max_depths[b])` nodes of `shape`
         (breadth first), drafted level by level, one draft forward per level but the deepest
-        (StaticModelRunner.forward_tree over the level's nodes, after the row's cache and the
+        (StaticRunner.forward_tree over the level's nodes, after the row's cache and the
         levels above). `uniforms` is [B, >= shape.num_nodes]: node i's draw is uniforms[:, i].
 
         A node's rank-0 child is drawn from the draft's distribution q after the node's path
@@ -162,14 +172,14 @@ class DraftModelDrafter(Drafter):
         Returns a Proposal of [B, N] nodes, N the batch's largest tree; num_draft_tokens counts
         each row's nodes.
         """
-        B, device = len(max_depths), self.seqs.device
+        B, device = len(max_depths), self.rows.device
         counts = [shape.nodes_within(int(d)) for d in max_depths]
         N = max(counts, default=0)
         self._fed_depth = 0
         if N == 0:
             return Proposal.empty(B, self.target_vocab_size, device)
         zeros = torch.zeros(B, dtype=torch.int64, device=device)
-        logits = self.seqs.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), zeros, zeros + 1, 1)  # [B, 1, V']
+        logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), zeros, zeros + 1, 1)  # [B, 1, V']
         parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=device).expand(B, N)  # [B, N]
         num = torch.tensor(counts, dtype=torch.int64).to(device)  # [B]
         levels = shape.levels(N)
@@ -181,7 +191,7 @@ class DraftModelDrafter(Drafter):
             tokens.append(t)
             probs.append(q)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
-                logits = self.seqs.feed_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
+                logits = self.rows.feed_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
                 self._fed_depth = d + 1
             above = s
         return Proposal(torch.cat(tokens, dim=1), num, torch.cat(probs, dim=1), tuple(counts))
@@ -356,8 +366,9 @@ class FeatureDrafter(Drafter):
         self.model = EagleCausalLM(draft)
         self.vocab_size = target_vocab_size
         self.runner = make_runner(self.model, runner, vocab_size=min(output_vocab_size(self.model), target_vocab_size))
+        self.max_model_len = draft.config.max_position_embeddings
         self.hidden_size = draft.config.hidden_size
-        self.supports_trees = isinstance(self.runner, StaticModelRunner)
+        self.supports_trees = isinstance(self.runner, StaticRunner)
         self.tokens: list[list[int]] = []  # every row's committed tokens
         self.cached: list[int] = []  # positions in the draft's cache (all read the target's features)
         self.pending: list[torch.Tensor] = []  # [n, H] target features of positions cached[b].. not yet fed
@@ -414,7 +425,7 @@ class FeatureDrafter(Drafter):
         `shape.nodes_within(max_depths[b])` nodes of `shape` per row, drafted level by level as
         DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from q,
         rank-r children the r-th best other token), one forward per level but the deepest
-        (StaticModelRunner.forward_tree). Each node's feature is the draft's own hidden state at its
+        (StaticRunner.forward_tree). Each node's feature is the draft's own hidden state at its
         parent, the root's children's the hidden state after catching up on the target's
         features, so a tree's rank-0 path is the chain `propose` would draft with the same draws.
         Nothing drafted is kept: the cache rolls back to the positions that read the target's
@@ -460,7 +471,7 @@ class FeatureDrafter(Drafter):
         Spec-Bench, most of the draft's time). Returns logits [B, V'] and hidden states [B, 1, H]
         at each row's last fed position (meaningless for a row that fed nothing)."""
         B = len(counts)
-        grouped = isinstance(self.runner, StaticModelRunner)
+        grouped = isinstance(self.runner, StaticRunner)
         runs = prefill_groups(counts) if grouped else [(0, B)]
         logits, hidden = [], []
         for lo, hi in runs:

@@ -1,94 +1,104 @@
-"""The two halves of a speculative step, shared by the single-process engine and the Ray actors.
+"""One speculative step: propose, verify, accept, roll back both sides, retire.
 
-`DraftSide` proposes; `TargetSide` verifies, emits, rolls back and retires finished rows, and
-holds the batch state (`Batch`: budgets, stop sets, statistics) beside the target model.
-`SpecEngine.step` calls one after the other in one process; the Ray coordinator calls them in
-two actors, one pair per micro-batch, and only forwards the target's `StepOutcome` to the draft
-and admits new rows. Nothing else is kept per row outside the two sides.
+`speculative_step` is the whole algorithm for a batch; the single-process engine calls it
+with both sides in one process, and the Ray actors call it unchanged: the target actor with
+a `ReceivedProposal` standing in for a draft that lives in another actor, which then applies
+the same `Verdict` to its own `DraftSide` (raysd.actors). Its one hook (`StepHook`) chooses
+the step's K and tree (fixed, or by goodput: raysd.engine.adaptive.KController) and keeps
+the timings.
 
 The sides agree without being told: each row's drafts are capped by its own room (the same
-`Batch.room` on both sides, since both see the same kept tokens), and each row's draws come
-from (seed, tokens generated) (`step_uniforms`), so the caller sends one K per step and a seed
-gives the same tokens in the engine and through the actors, whatever the batch.
+`Batch.room` on both sides, which apply the same verdicts), and each row's draws come from
+(seed, tokens generated) (raysd.core.draws.step_uniforms), so a seed gives the same tokens in
+the engine and through the actors, whatever the batch.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
+from raysd.core.draws import step_uniforms
 from raysd.core.sampling import SamplingTensors
-from raysd.core.tree_shape import TreeShape, rank_visits, tree_shape
-from raysd.engine.batch import Batch
+from raysd.core.speculation import SpeculationConfig
+from raysd.engine.batch import Batch, Plan, Verdict
 from raysd.engine.drafters import Drafter, Proposal
-from raysd.engine.rows import GenerationResult, Request, fill_holes, step_uniforms
-from raysd.engine.verifier import TargetVerifier, Verdict, verifies_by_argmax
+from raysd.engine.requests import Request
+from raysd.engine.target import TargetSide
+
+if TYPE_CHECKING:
+    from raysd.engine.adaptive import KController
 
 
-@dataclass(frozen=True)
-class RowLimits:
-    """What both sides must agree on to cap and stop rows identically."""
+@dataclass
+class StepTimings:
+    """Seconds and counts over the steps a hook has seen (and, filled by the engine that runs
+    them, its admissions and wall time)."""
 
-    num_speculative_tokens: int  # K: the most drafts a row is offered per step
-    max_model_len: int  # prompt + generated tokens per row
-    eos_token_ids: tuple[int, ...] = ()
-    # A feature draft (EAGLE) drafts from the target's features, which a row has only after its
-    # first target pass (the prefill runs on the target side): its first step offers no drafts.
-    feature_draft: bool = False
-    # P > 0: draft a tree of at most P nodes per row per step, at most K deep (tree_shape(P, K));
-    # 0: a chain of K drafts.
-    tree_budget: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.num_speculative_tokens <= 64 or self.max_model_len < 2:
-            raise ValueError(f"need 0 <= num_speculative_tokens <= 64 and max_model_len >= 2, got {self}")
-        if self.tree_budget < 0 or (self.tree_budget and self.num_speculative_tokens < 1):
-            raise ValueError(f"need tree_budget >= 0, and num_speculative_tokens >= 1 for a tree, got {self}")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-
-    def tree(self, tree_budget: int | None = None) -> TreeShape | None:
-        """The draft tree both sides grow in a step with this budget (default: the configured one;
-        an adaptive controller chooses one per step), or None for a chain."""
-        P = self.tree_budget if tree_budget is None else tree_budget
-        return tree_shape(P, self.num_speculative_tokens) if P else None
-
-    def batch(self) -> Batch:
-        return Batch(self.num_speculative_tokens, self.max_model_len, self.eos_token_ids, self.feature_draft)
-
-    def first_room(self, request: Request) -> int:
-        """`Batch.room` of a row not yet admitted (for choosing the K of the step that admits it)."""
-        batch = self.batch()
-        batch.add([(0, request)])
-        return int(batch.room()[0])
+    draft_s: float = 0.0  # proposing (a cold drafter's deferred prefill excluded)
+    verify_s: float = 0.0  # the target pass, the rejection test, the read-back, the bookkeeping
+    prefill_s: float = 0.0  # prompts: both sides' at admission, a cold drafter's at its first drafting step
+    steps: int = 0
+    drafted_steps: int = 0  # steps with k > 0
+    row_steps: int = 0  # rows decoded, summed over steps: occupancy = row_steps / (steps x batch slots)
+    generated_tokens: int = 0
+    wall_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the target side decided in one step: the draft side applies `kept`, `accepted` and
-    `keep` before its next proposal; the caller takes `finished` and feeds the K controller."""
+class StepHook:
+    """The one hook of a step: it chooses the step's plan before, and learns from its verdict
+    and timings after. With no controller, every step drafts the configured K and tree; with
+    one (raysd.engine.adaptive.KController), the plan of best expected goodput."""
 
-    kept: tuple[tuple[int, ...], ...]  # tokens each row kept this step (the step's row order)
-    accepted: tuple[int, ...]  # drafts each row accepted (both caches roll back to them)
-    keep: tuple[int, ...] | None  # rows left once the finished ones leave (fill_holes order); None: all
-    finished: tuple[tuple[int, GenerationResult], ...]  # (caller's index, result) of the rows that ended
-    # The surviving rows' acceptance evidence and room, for the next step's K (KController.choose_k_from).
-    overlap_sum: tuple[float, ...]
-    tested: tuple[int, ...]
-    room: tuple[int, ...]
-    step_overlap: float  # overlaps summed over every position tested this step (KController.observe_all)
-    step_tested: int
-    # For a feature draft: each row's target features [n, H] of the positions it cached for good since
-    # the last outcome (a new row's prompt, then its pending tokens and accepted drafts); else None.
-    features: tuple[torch.Tensor, ...] | None = None
-    # For a tree: the nodes each row's accepted path went through (the draft keeps that branch); else None.
-    path: tuple[tuple[int, ...], ...] | None = None
-    # For a tree: the walk counted by rank over the rows (rank_visits; KController.observe_ranks); else ().
-    rank_offered: tuple[int, ...] = ()
-    rank_moved: tuple[int, ...] = ()
+    def __init__(self, spec: SpeculationConfig, controller: KController | None = None):
+        self.spec, self.controller = spec, controller
+        self.timings = StepTimings()
+
+    def plan(self, draft: DraftSide) -> Plan:
+        if self.controller is None:
+            return Plan(self.spec.num_speculative_tokens, self.spec.tree_budget)
+        batch = draft.batch
+        if not self.spec.tree_budget and (confidence := draft.confidence()) is not None:
+            return Plan(self.controller.choose_k_by_confidence(confidence, batch.room()))
+        return Plan(*self.controller.choose_plan_from(batch.stats.overlap_sum, batch.stats.tested, batch.room()))
+
+    def observe(self, verdict: Verdict, draft_s: float, verify_s: float, prefill_s: float) -> None:
+        if self.controller is not None:
+            self.controller.observe_all(verdict.step_overlap, verdict.step_tested, int(verdict.accepted.sum()))
+            self.controller.observe_ranks(verdict.rank_offered, verdict.rank_moved)
+            width = int(verdict.drafted.max(initial=0)) + 1  # tokens per row the target verified
+            self.controller.observe_step(len(verdict.kept), width, verdict.plan.k, verify_s, draft_s)
+        t, drafted = self.timings, verdict.plan.k > 0  # a step with k = 0 drafts nothing: no draft time
+        t.draft_s, t.verify_s, t.prefill_s = t.draft_s + drafted * draft_s, t.verify_s + verify_s, t.prefill_s + prefill_s
+        t.steps, t.drafted_steps, t.row_steps = t.steps + 1, t.drafted_steps + drafted, t.row_steps + len(verdict.kept)
+
+
+def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, hook: StepHook) -> Verdict:
+    """One speculative step for every row of the batch: Leviathan, Kalman and Matias 2023,
+    Algorithm 1, batched with ragged acceptance (each row accepts its own number of drafts).
+
+    1. propose: up to K drafts per row (or a tree), with draft_probs, the distribution each was drawn from;
+    2. verify: one target forward over each row's pending token and its drafts, the rejection
+       test (raysd.core.rejection), and one read-back to the host;
+    3. accept: each row keeps its accepted drafts and the recovered or bonus token, cut at its
+       first stop condition (the target side counts them into its rows' statistics);
+    4. roll back: both KV caches keep exactly the kept tokens (`commit`, target and draft);
+    5. retire: rows that finished leave both sides (`commit`), their results in the verdict.
+    """
+    plan = hook.plan(draft)  # K and the tree of this step
+    prefilled, start = draft.prefill_s, time.perf_counter()
+    proposal = draft.propose(plan)  # 1
+    proposed = time.perf_counter()
+    verdict = target.verify(proposal, plan)  # 2, 3
+    target.commit(verdict)  # 4, 5 on the target...
+    draft.commit(verdict)  # ...and on the draft, to the same tokens and rows
+    prefill_s = draft.prefill_s - prefilled
+    hook.observe(verdict, proposed - start - prefill_s, time.perf_counter() - proposed, prefill_s)
+    return verdict
 
 
 class DraftSide:
@@ -99,14 +109,15 @@ class DraftSide:
     K = 0, as the adaptive controller chooses when drafting would not pay, costs the draft
     side nothing. The first step with K > 0 prefills the drafter with every row's tokens."""
 
-    def __init__(self, drafter: Drafter, limits: RowLimits, device: torch.device | str):
-        self.drafter, self.limits, self.device = drafter, limits, torch.device(device)
-        self.batch = limits.batch()  # seeds, budgets and tokens generated; its statistics stay unused
-        # Each row's tokens while the drafter holds none; None once warm (a feature draft is never
-        # cold: it follows the target's features from a row's first step).
-        self.cold: list[list[int]] | None = None if drafter.needs_features else []
+    def __init__(self, drafter: Drafter, spec: SpeculationConfig, device: torch.device | str):
+        self.drafter, self.spec, self.device = drafter, spec, torch.device(device)
+        self.batch = Batch(spec, drafter.needs_features)
+        # Each row's tokens while a draft model holds none; None once warm (a feature draft is never
+        # cold: it follows the target's features from a row's first step; a model-free drafter has
+        # no prefill to save, and the suffix drafter learns from every row that finishes).
+        self.cold: list[list[int]] | None = [] if drafter.max_model_len is not None and not drafter.needs_features else None
         self._sampling: SamplingTensors | None = None
-        self.deferred_prefill_s = 0.0  # seconds the first drafting step spent prefilling the cold rows
+        self.prefill_s = 0.0  # seconds the first drafting step spent prefilling the cold rows
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -120,156 +131,82 @@ class DraftSide:
         self.batch.add(items)
         self._sampling = None
 
-    def propose(self, k: int, tree_budget: int | None = None) -> Proposal:
-        """Up to min(k, room) drafts per row, drawn with the rows' own counter-based draws; with a
-        tree (`tree_budget` > 0, default RowLimits.tree_budget), its nodes at most min(k, room)
-        deep (Drafter.propose_tree)."""
-        K = self.limits.num_speculative_tokens
-        offered = np.minimum(self.batch.room(), k)  # [B]
+    def confidence(self) -> np.ndarray | None:
+        """[B, K] the drafter's own acceptance estimate for each row's drafts up to its room
+        (Drafter.confidence), or None (a cold drafter, or one with no such estimate)."""
+        if self.cold is not None or not len(self.batch):
+            return None
+        return self.drafter.confidence(self.batch.room().tolist())
+
+    def propose(self, plan: Plan) -> Proposal:
+        """Up to min(plan.k, room) drafts per row, drawn with the rows' own counter-based draws;
+        with a tree, its nodes at most min(plan.k, room) deep (Drafter.propose_tree)."""
+        offered = np.minimum(self.batch.room(), plan.k)  # [B]
         if self.cold is not None:
             if not offered.any():  # nothing to draft: the drafter stays cold
                 return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
             t0 = time.perf_counter()
             self.drafter.add_rows(self.cold)
             self.cold = None
-            self.deferred_prefill_s += time.perf_counter() - t0
+            self.prefill_s += time.perf_counter() - t0
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
-        tree = self.limits.tree(tree_budget)
+        tree = plan.tree(self.spec.num_speculative_tokens)
+        n = tree.num_nodes if tree is not None else self.spec.num_speculative_tokens
+        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, n, self.device)[:, :n]  # [B, n]
         if tree is not None:
-            N = tree.num_nodes
-            uniforms = step_uniforms(self.batch.seeds, self.batch.generated, N, self.device)[:, :N]  # [B, N]
             return self.drafter.propose_tree(tree, offered.tolist(), self._sampling, uniforms)
-        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, K, self.device)[:, :K]  # [B, K]
         return self.drafter.propose(offered.tolist(), self._sampling, uniforms)
 
-    def commit(self, kept: Sequence[Sequence[int]], accepted: Sequence[int], keep: Sequence[int] | None,
-               features: Sequence[torch.Tensor] | None = None, path: Sequence[Sequence[int]] | None = None) -> None:
-        """Apply the target's decision: the tokens kept (roll back the rest; with a tree, keep the
-        accepted branch), then the rows kept."""
-        self.batch.advance(kept)
+    def commit(self, verdict: Verdict) -> None:
+        """Accept the verdict's tokens, roll the drafter back to them (with a tree: keep the
+        accepted branch), and retire the rows that finished."""
+        self.batch.accept(verdict)
         if self.drafter.needs_features:
-            assert features is not None, "a feature draft needs the target's features in every outcome"
-            self.drafter.commit(kept, accepted, [f.to(self.device) for f in features])
-            if keep is not None:
-                self.drafter.select(keep)
-        elif self.cold is None:
-            if path is None:
-                self.drafter.commit(kept, accepted)
-            else:
-                self.drafter.commit_path(kept, path)
-            if keep is not None:
-                self.drafter.select(keep)
-        else:
-            for tokens, new in zip(self.cold, kept):
+            assert verdict.features is not None, "a feature draft needs the target's features in every verdict"
+            self.drafter.commit(verdict.kept, verdict.accepted, [f.to(self.device) for f in verdict.features])
+        elif self.cold is not None:
+            for tokens, new in zip(self.cold, verdict.kept):
                 tokens += new
-            if keep is not None:
-                self.cold = [self.cold[i] for i in keep]
-        if keep is not None:
-            self.batch.keep(keep)
+        elif verdict.path is None:
+            self.drafter.commit(verdict.kept, verdict.accepted)
+        else:
+            self.drafter.commit_path(verdict.kept, verdict.path)
+        if verdict.keep is not None:
+            if self.cold is None:
+                self.drafter.select(verdict.keep)
+            else:
+                self.cold = [self.cold[i] for i in verdict.keep]
+            self.batch.keep(verdict.keep)
             self._sampling = None
 
 
-class TargetSide:
-    """The verify-and-commit half: the target verifier and the batch state beside it.
+class ReceivedProposal:
+    """A draft side that lives in another process (raysd.actors): the target's step gets its
+    proposal from here, and the draft's own process applies the verdict to its DraftSide."""
 
-    `synthetic_rate` (capacity planning) and `relax` (Yin et al. 2024's lossy dial) are the
-    verifier's; `acceptance` labels every result with the rule that produced it."""
+    batch = None
+    prefill_s = 0.0
 
-    def __init__(self, verifier: TargetVerifier, limits: RowLimits, synthetic_rate: float | None = None,
-                 relax: float | None = None, acceptance: str = "exact"):
-        self.verifier, self.limits = verifier, limits
-        self.synthetic_rate, self.relax, self.acceptance = synthetic_rate, relax, acceptance
-        self.batch = limits.batch()
-        self._sampling: SamplingTensors | None = None
-        # Feature draft only: each row's prompt features, until its first outcome carries them.
-        self._prompt_features: list[torch.Tensor | None] | None = [] if verifier.tap is not None else None
+    def __init__(self, proposal: Proposal):
+        self.proposal = proposal
 
-    def __len__(self) -> int:
-        return len(self.batch)
+    def confidence(self) -> None:
+        return None  # the plan was made where the drafter lives (the draft actor)
 
-    @property
-    def device(self) -> torch.device:
-        return self.verifier.seqs.device
+    def propose(self, plan: Plan) -> Proposal:
+        return self.proposal
 
-    def add(self, items: Sequence[tuple[int, Request]]) -> None:
-        features = self.verifier.add_rows([req.prompt_token_ids for _, req in items])
-        if self._prompt_features is not None:
-            self._prompt_features += features
-        self.batch.add(items)
-        self._sampling = None
+    def commit(self, verdict: Verdict) -> None:
+        pass
 
-    def verify(self, proposal: Proposal, k: int, tree_budget: int | None = None) -> StepOutcome:
-        """One target pass over every row's drafts (or tree: `tree_budget` as DraftSide.propose),
-        the rejection test, one read-back; emit up to each row's stop condition, roll the cache
-        back to what was kept, retire finished rows."""
-        batch = self.batch
-        offered = np.minimum(batch.room(), k)  # [B] what the draft side was allowed (statistics)
-        if self._sampling is None:
-            self._sampling = SamplingTensors.from_params(batch.params, self.device)
-        tree = self.limits.tree(tree_budget)
-        verdict = self._verdict(proposal, tree)
-        kept = batch.emit(verdict, offered)
-        accepted = verdict.num_accepted.tolist()
-        path = verdict.paths()
-        features = self._features(accepted, path)
-        ranks: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-        if path is None:
-            self.verifier.commit(kept, accepted)
-        else:
-            self.verifier.commit_path(kept, path)
-            offered_r, moved_r = rank_visits(tree, verdict.num_drafted.tolist(), path)
-            ranks = (tuple(offered_r.tolist()), tuple(moved_r.tolist()))
-        finished, keep = self._retire()
-        return StepOutcome(
-            tuple(map(tuple, kept)), tuple(accepted), keep, finished,
-            tuple(batch.overlap_sum.tolist()), tuple(batch.tested.tolist()), tuple(batch.room().tolist()),
-            float(verdict.overlap_sums().sum()), int(verdict.num_tested.sum()), features,
-            None if path is None else tuple(map(tuple, path)), *ranks,
-        )
 
-    def _verdict(self, proposal: Proposal, tree: TreeShape | None) -> Verdict:
-        """The target pass and the rejection test of a chain (or a tree), read back in one copy."""
-        batch = self.batch
-        if tree is not None:
-            N, n = tree.num_nodes, proposal.draft_token_ids.shape[1]
-            uniforms = step_uniforms(batch.seeds, batch.generated, N, self.device)  # [B, 2N + 1]
-            return self.verifier.verify_tree(proposal, tree, self._sampling, uniforms[:, N : N + n],
-                                             uniforms[:, 2 * N]).read_back()
-        K = self.limits.num_speculative_tokens
-        if verifies_by_argmax(self._sampling, self.synthetic_rate, self.relax):
-            uniforms = torch.zeros(len(batch), 2 * K + 1, dtype=torch.float64, device=self.device)  # no draw is read
-        else:
-            uniforms = step_uniforms(batch.seeds, batch.generated, K, self.device)  # [B, 2K + 1]
-        Kp = proposal.draft_token_ids.shape[1]
-        return self.verifier.verify(proposal, self._sampling, uniforms[:, K : K + Kp], uniforms[:, 2 * K],
-                                    self.synthetic_rate, self.relax).read_back()
+class ReceivedPlan(StepHook):
+    """The hook of a step whose plan was chosen where the draft lives (raysd.actors)."""
 
-    def _features(self, accepted: Sequence[int], path: Sequence[Sequence[int]] | None) -> tuple[torch.Tensor, ...] | None:
-        """A feature draft's part of the outcome: new rows' prompt features, then every row's
-        features at the positions this step cached for good (device tensors; a tree's: its head
-        and accepted path)."""
-        if self._prompt_features is None:
-            return None
-        step = self.verifier.accepted_features(accepted, path)
-        out = tuple(f if prompt is None else torch.cat([prompt, f]) for prompt, f in zip(self._prompt_features, step))
-        self._prompt_features = [None] * len(step)
-        return out
+    def __init__(self, spec: SpeculationConfig, plan: Plan):
+        super().__init__(spec)
+        self.received = plan
 
-    def _retire(self) -> tuple[tuple[tuple[int, GenerationResult], ...], tuple[int, ...] | None]:
-        done = self.batch.finish != 0  # [B]
-        if not done.any():
-            return (), None
-        finished = tuple((self.batch.ids[b], self.label(self.batch.result(b))) for b in np.flatnonzero(done))
-        keep = fill_holes((~done).tolist())  # a static cache copies only the rows that move
-        self.batch.keep(keep)
-        self.verifier.select(keep)
-        if self._prompt_features is not None:
-            self._prompt_features = [self._prompt_features[i] for i in keep]
-        self._sampling = None
-        return finished, tuple(keep)
-
-    def label(self, result: GenerationResult) -> GenerationResult:
-        result.synthetic = self.synthetic_rate is not None
-        result.acceptance = self.acceptance
-        return result
+    def plan(self, draft: ReceivedProposal) -> Plan:
+        return self.received

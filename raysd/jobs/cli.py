@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
 
-from raysd.jobs.config import (DEFAULT_DRAFT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET, PLACEMENT_STRATEGIES, GenerateConfig,
-                               JobError)
+from raysd.jobs.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TARGET,
+    PLACEMENT_STRATEGIES,
+    GenerateConfig,
+    JobError,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,14 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="tokenize string prompts as they are instead of through the chat template")
     io.add_argument("--rows-per-file", type=int, default=1024, help="rows per output Parquet file: at least this many, in whole batches, except the last; "
                     "also the most finished work a killed job can lose (default: 1024)")
-    io.add_argument("--overwrite", action="store_true", help="delete the output first (default: resume into it)")
+    io.add_argument("--overwrite", action="store_true",
+                    help="start over: first delete what raysd wrote in the output (its part-*.parquet files, _job.json, "
+                         "_summary.json and _tmp/; nothing else, and only in a directory holding its _job.json) "
+                         "(default: resume into it)")
 
     m = p.add_argument_group("models")
     m.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: HF id or local path (default: {DEFAULT_TARGET})")
-    m.add_argument("--target-dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    m.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (HF id or path), 'ngram' (prompt lookup), or 'none' "
-                   f"(plain autoregressive) (default: {DEFAULT_DRAFT})")
-    m.add_argument("--draft-dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    m.add_argument("--target-dtype", default="auto", help="auto, float32, bfloat16 or float16; auto: bfloat16 where the "
+                   "model's actor has a GPU (float16 if it lacks bf16), float32 on a CPU; each row records the dtype run (default: auto)")
+    m.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (HF id or path), 'ngram' (prompt lookup), 'suffix' "
+                   "(suffix decoding over the row and every row the replica has finished: learns the job's templates), "
+                   f"or 'none' (plain autoregressive) (default: {DEFAULT_DRAFT})")
+    m.add_argument("--draft-dtype", default="auto", help="as --target-dtype, for a draft model (default: auto)")
     m.add_argument("--num-speculative-tokens", "-k", type=_k_value, default=None,
                    help="draft tokens per step, or 'auto': K in 0..8 chosen each step from the rows' acceptance "
                         "and step costs profiled at start-up (cached per models and machine); steps with K = 0 "
@@ -47,18 +61,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft-assist", default="none", choices=("none", "ngram"),
                    help="'ngram': n-gram prompt lookup drafts for the draft model, which verifies exactly, so the "
                         "target still sees the draft model's law (three levels; inner K chosen by goodput, 0 = two "
-                        "levels; docs/hierarchy.md); needs a draft model (default: none)")
+                        "levels; docs/draft_assist.md); needs a draft model (default: none)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow a model repository's own code")
     m.add_argument("--allow-pickle-weights", action="store_true",
                    help="load pickled weights (pytorch_model.bin, .pt) when a model has no safetensors; unpickling runs "
                    "code from the file, so only for files you trust (default: refuse them)")
 
-    s = p.add_argument_group("sampling (per-row columns max_new_tokens, temperature, seed override these)")
+    s = p.add_argument_group("sampling (per-row columns max_new_tokens, temperature, top_p, top_k, seed, stop, "
+                             "num_samples override these)")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"(default: {DEFAULT_MAX_NEW_TOKENS})")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     s.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     s.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
     s.add_argument("--seed", type=int, default=0, help="job seed; a row's seed is a stable hash of it and the row's id (default: 0)")
+    s.add_argument("--num-samples", "-n", type=int, default=1,
+                   help="N independent completions per prompt: N output rows with the prompt's id and sample_index "
+                        "0..N-1, each with its own seed (from the job seed, the id and the sample index); the prompt is "
+                        "prefilled once for samples admitted together (default: 1)")
+    s.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="stop string, repeatable: a row ends at the first occurrence in its decoded text (finish_reason "
+                        "stop), the text cut before it; no token after it is generated (default: none)")
+    s.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in generated_text")
+    s.add_argument("--logprobs", action="store_true",
+                   help="add generated_logprobs: the target's log-probability of each generated token, from the verify pass")
+    s.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="add top_logprobs: the N (<= 20) most likely tokens' ids and log-probabilities at each generated "
+                        "token; implies --logprobs (default: 0)")
+    s.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
+                   help="raw: log-softmax of the target's logits (vLLM's default); processed: of the distribution sampled, "
+                        "after temperature, top-k and top-p (default: raw)")
 
     r = p.add_argument_group("Ray")
     r.add_argument("--batch-size", type=int, default=16, help="rows per Ray Data block and per call on a replica (default: 16)")
@@ -72,7 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where a replica's draft and target actors go: STRICT_PACK (one node, the default), PACK, "
                         "SPREAD or STRICT_SPREAD (over nodes)")
     r.add_argument("--address", default=None, help="existing Ray cluster (default: the submitted job's cluster, else a local Ray on localhost)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; print only the summary line")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
+    out.add_argument("--verbose", "-v", action="store_true",
+                     help="also Ray's messages, the workers' output and Ray Data's own progress (its operator table)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -100,26 +134,72 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    native_log = None
     try:
         cfg = config_from_args(args)
-        from raysd.jobs.runner import generate
+        from raysd.jobs.runner import generate, process_start_time
 
-        summary = generate(cfg)
+        with _native_stderr_to_file(not cfg.verbose) as native_log:
+            summary = generate(cfg, started_at=process_start_time())  # interpreter start and imports count too
     except JobError as exc:
         print(f"raysd generate: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - a failed job is one line; rows written so far are kept
-        print(f"raysd generate: failed: {_one_line(exc)} (rows written so far are kept; re-run to resume)", file=sys.stderr)
+        kept = f"; Ray's messages: {native_log}" if native_log and os.path.exists(native_log) else ""
+        print(f"raysd generate: failed: {_one_line(exc)} (rows written so far are kept; re-run to resume{kept})",
+              file=sys.stderr)
         return 1
+    if native_log and os.path.exists(native_log):  # a job that ran: the lines are in Ray's own driver log too
+        os.remove(native_log)
     print(json.dumps(summary.to_dict()) if args.json else summary.text())
     return 0
 
 
+@contextlib.contextmanager
+def _native_stderr_to_file(enabled: bool):
+    """Ray's C++ core worker in this process writes its ERROR lines to file descriptor 2 directly,
+    past Python's logging and log_to_driver: e.g. ray-project/ray#53727's warning, once per job,
+    for Ray Data's actor pools (docs/jobs.md, "Ray 2.60's deprecations and warnings"). Ray writes
+    them to its driver log as well (python-core-driver-*.log in the session's logs). So unless
+    --verbose, descriptor 2 goes to a file while the job runs, and raysd's own lines go to the
+    real stderr through `sys.stderr`. Yields the file's path (kept, and named, if the job fails;
+    None when not enabled)."""
+    if not enabled:
+        yield None
+        return
+    sys.stderr.flush()
+    fd, path = tempfile.mkstemp(prefix="raysd-ray-stderr-", suffix=".log")
+    saved = os.dup(2)
+    real = os.fdopen(os.dup(saved), "w", buffering=1, encoding=sys.stderr.encoding or "utf-8", errors="backslashreplace")
+    previous = sys.stderr
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = real
+    try:
+        yield path
+    finally:
+        real.flush()
+        sys.stderr = previous
+        os.dup2(saved, 2)
+        os.close(saved)
+        real.close()
+        if os.path.getsize(path) == 0:
+            os.remove(path)
+
+
 def _one_line(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)  # RayTaskError: the exception raised in the actor
-    if isinstance(cause, BaseException):
+    """The innermost cause (Ray Data's UserCodeException wraps the RayTaskError that carries the
+    exception raised in the actor), its type and last line."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)  # RayTaskError: the exception raised in the actor
+        if not isinstance(cause, BaseException):
+            cause = exc.__cause__
+        if not isinstance(cause, BaseException):
+            break
         exc = cause
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": ")

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from raysd.core.acceptance import parse_acceptance
-from raysd.models.names import DEFAULT_MODEL, DTYPE_NAMES, NGRAM, NO_DRAFT, draft_kind  # NGRAM, NO_DRAFT: --draft values naming no model
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
+from raysd.jobs.schema import MAX_NUM_SAMPLES
+from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
+    AUTO_DTYPE,
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    MODEL_FREE,
+    NO_DRAFT,
+    draft_kind,
+)
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 DEFAULT_DRAFT = "ngram"  # the default drafter: one constant, changed here only
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # K when --num-speculative-tokens is not given: chosen each step, so a drafter that does not pay
-# (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/benchmarks.md,
+# (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/history/benchmarks.md,
 # Benchmark 7). With --tree-budget P the same: each step drafts the chain or tree (of at most P
 # nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
@@ -22,8 +30,17 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
 # there: checking a config must not import torch.
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.hierarchy.INNER_KINDS)
+DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.draft_assist.DRAFT_ASSISTS)
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
+# What --top-logprobs and --logprobs-mode take: raysd.core.sampling's MAX_TOP_LOGPROBS and
+# LOGPROBS_MODES, repeated here because checking a config must not import torch (that module
+# does); tests/jobs/test_options.py checks they agree.
+MAX_TOP_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "processed")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class JobError(Exception):
@@ -41,19 +58,32 @@ class GenerateConfig:
     split: str | None = None  # for a `datasets` DatasetDict
     chat_template: bool = True  # string prompts go through the tokenizer's chat template
     target: str = DEFAULT_TARGET
-    target_dtype: str = "float32"
+    target_dtype: str = AUTO_DTYPE  # "auto": bfloat16 on a GPU (float16 without bf16), float32 on the CPU
     draft: str = DEFAULT_DRAFT  # HF id or path, "ngram", or "none" (plain autoregressive decoding)
-    draft_dtype: str = "float32"
+    draft_dtype: str = AUTO_DTYPE
     # K, or "auto": K in 0..AUTO_MAX_K chosen each step for goodput. None: the default (above).
     num_speculative_tokens: int | str | None = None
     acceptance: str = "exact"  # or "relaxed:LAMBDA": lossy, Yin et al. 2024 (EngineConfig.acceptance)
     tree_budget: int = 0  # P > 0: a draft tree of at most P nodes per row per step, K deep (EngineConfig.tree_budget)
-    draft_assist: str = "none"  # "ngram": n-gram lookup drafts for the draft model (three levels; raysd.engine.hierarchy)
+    draft_assist: str = "none"  # "ngram": n-gram lookup drafts for the draft model (three levels; raysd.engine.draft_assist)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # N independent completions per prompt (a per-row `num_samples` column overrides): output rows
+    # (id, sample_index 0..N-1), each with its own seed (raysd.jobs.replica.sample_seed).
+    num_samples: int = 1
+    # Stop strings (a per-row `stop` column adds its own): a row ends at the first occurrence in its
+    # decoded text, finish_reason "stop", the text cut before it unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # generated_logprobs: the target's log-probability of each emitted token, from the verify pass;
+    # top_logprobs > 0 adds the N most likely (implies logprobs). "raw": log-softmax of the target's
+    # logits (vLLM's default); "processed": of the distribution sampled (temperature, top-k, top-p).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logprobs_mode: str = "raw"
     batch_size: int = 16  # rows per call on a replica (split into two pipelined micro-batches)
     replicas: int = 1  # draft/target actor pairs running in parallel
     num_gpus_per_actor: float = 0.0
@@ -62,9 +92,14 @@ class GenerateConfig:
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
     address: str | None = None  # an existing Ray cluster; None starts a local one
     overwrite: bool = False
-    quiet: bool = False
+    quiet: bool = False  # print only the summary
+    verbose: bool = False  # Ray Data's own progress and Ray's messages too
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False  # unpickle .bin/.pt model weights (runs code from the file): trusted files only
+    # K, the tree, the acceptance rule and adaptive K as every step obeys them, made from the flags
+    # above and validated there (raysd.core.speculation); the EOS ids and the step costs of -k auto
+    # are filled in by each replica once its models have loaded.
+    speculation: SpeculationConfig = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -78,21 +113,15 @@ class GenerateConfig:
         need(bool(self.prompt_column), "--prompt-column must not be empty")
         need(bool(self.id_column), "--id-column must not be empty")
         need(self.prompt_column != self.id_column, "--prompt-column and --id-column must differ")
-        need(bool(self.target) and self.target not in (NGRAM, NO_DRAFT), f"--target must name a model, got {self.target!r}")
+        need(bool(self.target) and self.target not in MODEL_FREE, f"--target must name a model, got {self.target!r}")
         need(bool(self.draft), "--draft must not be empty (use 'none' for plain decoding)")
-        try:
-            parse_acceptance(self.acceptance)
-        except ValueError as exc:
-            raise JobError(f"--acceptance: {exc}") from None
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
-            need(dtype in DTYPE_NAMES, f"{flag} must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+            need(dtype in DTYPE_CHOICES, f"{flag} must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         k = self.num_speculative_tokens
-        need(k == AUTO or (isinstance(k, int) and 0 <= k <= 64), f"--num-speculative-tokens must be 'auto' or in 0..64, got {k!r}")
+        need(k == AUTO or (isinstance(k, int) and not isinstance(k, bool)), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
         P = self.tree_budget
-        need(isinstance(P, int) and 0 <= P <= 256, f"--tree-budget must be in 0..256 (0: a chain), got {P!r}")
-        need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft or ngram), not none")
-        need(not P or self.num_speculative_tokens != 0, "--tree-budget needs --num-speculative-tokens >= 1 (the tree's depth)")
-        need(not P or self.acceptance == "exact", "--tree-budget verifies exactly: use --acceptance exact")
+        need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft, ngram or suffix), not none")
+        object.__setattr__(self, "speculation", self._speculation())
         need(self.draft_assist in DRAFT_ASSISTS, f"--draft-assist must be one of {', '.join(DRAFT_ASSISTS)}, got {self.draft_assist!r}")
         need(self.draft_assist == "none" or self.draft_is_model,
              f"--draft-assist {self.draft_assist} needs a draft model (--draft MODEL), got --draft {self.draft}")
@@ -104,6 +133,20 @@ class GenerateConfig:
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"--top-k must be >= 0 (0 disables), got {self.top_k}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        need(_is_int(self.num_samples) and 1 <= self.num_samples <= MAX_NUM_SAMPLES,
+             f"--num-samples must be an integer in 1..{MAX_NUM_SAMPLES}, got {self.num_samples!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        bad = [x for x in stop if not isinstance(x, str) or not x]
+        need(not bad, f"--stop must be a non-empty string, got {bad[0]!r}" if bad else "")
+        need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"--top-logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.top_logprobs:  # the top N come with the emitted token's own, as in SamplingParams
+            object.__setattr__(self, "logprobs", True)
+        need(self.logprobs_mode in LOGPROBS_MODES,
+             f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        need(self.logprobs or self.logprobs_mode == "raw", "--logprobs-mode processed needs --logprobs or --top-logprobs")
+        need(not (self.quiet and self.verbose), "--quiet and --verbose exclude each other")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
         need(self.num_gpus_per_actor >= 0, f"--num-gpus-per-actor must be >= 0, got {self.num_gpus_per_actor}")
@@ -121,9 +164,23 @@ class GenerateConfig:
              f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
 
+    def _speculation(self) -> SpeculationConfig:
+        """The job's SpeculationConfig; its one-line errors name the flags."""
+        auto = self.adaptive_speculation
+        try:
+            return SpeculationConfig(num_speculative_tokens=self.effective_num_speculative_tokens,
+                                     tree_budget=self.tree_budget, acceptance=self.acceptance,
+                                     adaptive=AdaptiveConfig() if auto else None)
+        except ValueError as exc:
+            text = str(exc)
+            for name, flag in (("num_speculative_tokens", "--num-speculative-tokens"), ("tree_budget", "--tree-budget"),
+                               ("acceptance", "--acceptance")):
+                text = text.replace(name, flag)
+            raise JobError(text) from None
+
     @property
     def draft_is_model(self) -> bool:
-        return self.draft not in (NGRAM, NO_DRAFT)
+        return self.draft not in MODEL_FREE
 
     @property
     def actor_cpus(self) -> tuple[float, float]:
@@ -140,7 +197,7 @@ class GenerateConfig:
         replica's target and draft model get an equal share, the target all of it with a
         model-free drafter. torch runs as many threads as its actor has CPUs (Ray sets
         OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
-        than with one (docs/benchmarks.md, Benchmark 6). Elsewhere (GPUs, or a cluster) 1."""
+        than with one (docs/history/benchmarks.md, Benchmark 6). Elsewhere (GPUs, or a cluster) 1."""
         if self.num_cpus_per_actor is not None:
             return self
         cpus = 1.0
@@ -165,6 +222,18 @@ class GenerateConfig:
         keys = ("prompt_column", "id_column", "split", "chat_template", "target", "target_dtype", "draft", "draft_dtype",
                 "num_speculative_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
         fingerprint = {k: getattr(self, k) for k in keys}
+        if not self.num_gpus_per_actor:  # "auto" without a GPU is float32: outputs written before "auto" resume
+            for k in ("target_dtype", "draft_dtype"):
+                fingerprint[k] = "float32" if fingerprint[k] == AUTO_DTYPE else fingerprint[k]
+        # Each of the below only when not its default, so that outputs written before it existed resume.
+        if self.num_samples != 1:
+            fingerprint["num_samples"] = self.num_samples
+        if self.stop:
+            fingerprint["stop"] = list(self.stop)
+        if self.include_stop_str_in_output:
+            fingerprint["include_stop_str_in_output"] = True
+        if self.logprobs:  # adds a column's values: a resume must not mix rows with and without
+            fingerprint.update(logprobs=True, top_logprobs=self.top_logprobs, logprobs_mode=self.logprobs_mode)
         if self.acceptance != "exact":  # absent when exact, so outputs written before the flag still resume
             fingerprint["acceptance"] = self.acceptance
         if self.tree_budget:  # likewise absent for a chain
@@ -174,4 +243,5 @@ class GenerateConfig:
         return fingerprint
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The flags (what `GenerateConfig(**d)` takes back); the derived `speculation` is left out."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

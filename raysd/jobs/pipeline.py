@@ -13,12 +13,12 @@ stage is busy, so memory holds a few batches per stage, not the input.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 from ray.data import ActorPoolStrategy
 from ray.data.datasource import Datasink
@@ -26,11 +26,16 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
-from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS
+from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS, row_totals
 
 logger = logging.getLogger(__name__)
 
 ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be used; dropped before the output
+# Set by AssignIds on a resumed row some of whose samples are in the output already: their indices
+# (the generation stage skips them); null otherwise. Dropped before the output.
+DONE_SAMPLES = "__raysd_done_samples"
+ALL_SAMPLES = None  # `done` value: every sample of the id is in the output (AssignIds)
+_PROGRESS_REPORT_EVERY_S = 1.0  # a replica's finished samples reach JobStats this often during a block
 # Blocks inside each generation actor at once (threads of the actor, `max_concurrent_calls_per_actor`).
 # They all feed the replica's one RequestStream, so while the last rows of one block finish, rows of
 # the next take the freed slots: with --batch-size slots, two blocks keep the micro-batches full and a
@@ -67,8 +72,14 @@ class JobStats:
         self.restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
     def add(self, **counts: float) -> None:
+        """Sum each count; `first_*_at` and `last_*_at` (wall-clock times) keep the earliest and latest."""
         for k, v in counts.items():
-            self.totals[k] = self.totals.get(k, 0) + v
+            if k.endswith("_at"):
+                if v is not None:
+                    pick = min if k.startswith("first_") else max
+                    self.totals[k] = pick(self.totals.get(k, v), v)
+            else:
+                self.totals[k] = self.totals.get(k, 0) + v
 
     def get(self) -> dict:
         return {**self.totals, "stats_restarted": int(self.restarted)} if self.restarted else dict(self.totals)
@@ -189,11 +200,12 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def internal_schema(input_schema: pa.Schema, id_column: str) -> pa.Schema:
-    """The rows between the id stage and the generation stage: the input's columns, the id, ID_ERROR."""
+    """The rows between the id stage and the generation stage: the input's columns, the id,
+    ID_ERROR and DONE_SAMPLES."""
     fields = list(input_schema)
     if id_column not in input_schema.names:
         fields.append(pa.field(id_column, pa.int64()))
-    return pa.schema([*fields, pa.field(ID_ERROR, pa.string())])
+    return pa.schema([*fields, pa.field(ID_ERROR, pa.string()), pa.field(DONE_SAMPLES, pa.list_(pa.int32()))])
 
 
 ID_STAGE_RESTARTED = ("the id stage (AssignIds) was started a second time in this job (its actor died); its ids "
@@ -205,14 +217,18 @@ class AssignIds:
     sees the blocks in input order.
 
     - Ids: the id column, or (when absent) the row's position in the input: 0, 1, ...
-    - Resume: drops rows whose id is already in the output (`done`: the output's ids, read first).
+    - Resume, per (id, sample_index): drops rows every sample of which is in the output, and marks
+      the samples already there of the others (DONE_SAMPLES), which the generation stage skips.
+      `done`: {id: sample indices in the output} (OutputStore.done_samples), or an iterable of ids done
+      whole. A row's sample count is its `num_samples` value or `default_samples`, as the
+      generation stage counts it (schema.num_samples_of).
     - Marks null and duplicate ids (ID_ERROR); the generation stage writes error rows for them.
 
     Memory: the ids already done plus the ids seen this run (ids only, never rows).
     """
 
     def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None,
-                 job_key: str | None = None):
+                 job_key: str | None = None, default_samples: int = 1, json_columns: frozenset[str] = frozenset()):
         # Never a second instance in a job: a restarted (or replacement) actor would count positions
         # from 0 again and forget the ids seen, giving rows wrong ids or missing duplicates. Its
         # constructor fails instead, which fails the job; a re-run resumes exactly once. The stage
@@ -220,12 +236,24 @@ class AssignIds:
         if job_key is not None:
             if not claim_once(f"{job_key}/AssignIds"):
                 raise RuntimeError(ID_STAGE_RESTARTED)
-        elif ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+        elif ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None \
+                and ray.get_runtime_context().was_current_actor_reconstructed:  # (an actor's property only)
             raise RuntimeError(ID_STAGE_RESTARTED)
         self.id_column, self.make_ids, self.schema, self.stats = id_column, make_ids, schema, stats
-        self.done = set(done)
+        self.done = dict(done) if isinstance(done, Mapping) else dict.fromkeys(done, ALL_SAMPLES)
+        self.default_samples, self.json_columns = default_samples, json_columns
         self.seen: set = set()
         self.position = 0
+
+    def _num_samples(self, batch: pa.Table, i: int) -> int:
+        from raysd.jobs.schema import num_samples_of
+
+        if "num_samples" not in batch.column_names:
+            return self.default_samples
+        value = batch.column("num_samples")[i].as_py()
+        if "num_samples" in self.json_columns:
+            value = decode_json_value(value)
+        return num_samples_of(value, self.default_samples)[0]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
@@ -235,11 +263,21 @@ class AssignIds:
         else:
             ids = batch.column(self.id_column).to_pylist()
         self.position += n
-        keep, errors = [], []
+        keep, errors, partial, skipped = [], [], [], 0
         for i, row_id in enumerate(ids):
+            done = None
             if row_id is not None and row_id in self.done:
-                continue
+                samples = range(self._num_samples(batch, i))
+                have = self.done[row_id]
+                done = list(samples) if have is ALL_SAMPLES else [j for j in samples if j in have]
+                if len(done) == len(samples):  # every sample is there
+                    skipped += len(done)
+                    continue
+                if row_id in self.seen:  # a repeat of an id resumed here: its error row was written once
+                    continue
+                skipped += len(done)
             keep.append(i)
+            partial.append(done or None)
             if row_id is None:
                 errors.append("id is null")
             elif row_id in self.seen:
@@ -247,10 +285,11 @@ class AssignIds:
             else:
                 self.seen.add(row_id)
                 errors.append(None)
-        _report(self.stats, rows_read=n, rows_skipped=n - len(keep))
+        _report(self.stats, rows_read=n, rows_skipped=skipped)
         if len(keep) < n:
             batch = batch.take(pa.array(keep, pa.int64()))
         batch = batch.append_column(ID_ERROR, pa.array(errors, pa.string()))
+        batch = batch.append_column(DONE_SAMPLES, pa.array(partial, pa.list_(pa.int32())))
         return conform(batch, self.schema)
 
 
@@ -284,18 +323,20 @@ class GenerateReplica:
     its first batch with rows to generate, so a resumed job with nothing left to do loads no model.
 
     Ray Data runs up to CONCURRENT_BLOCKS_PER_REPLICA calls at once on each actor (threads);
-    their rows share the replica's micro-batches. A batch of rows in, the same rows out in the
-    same order, in the output schema: the id, the input's other columns passed through, the
-    generated columns (error rows for bad rows).
+    their rows share the replica's micro-batches. A batch of rows in, each row's samples out
+    (one output row per sample still to generate; one per row without --num-samples), in order,
+    in the output schema: the id, the input's other columns passed through, the generated
+    columns (error rows for bad rows). Finished samples are counted to the job's JobStats every
+    _PROGRESS_REPORT_EVERY_S while a block runs (the driver's progress line).
     """
 
     def __init__(self, cfg: GenerateConfig, schema: pa.Schema, json_columns: frozenset[str], stats=None,
                  job_key: str | None = None, eager: bool = False):
-        import threading
-
         self.cfg, self.schema, self.json_columns, self.stats = cfg, schema, json_columns, stats
         self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
+        self.stop_strings = bool(cfg.stop) or "stop" in schema.names  # the target actor needs a tokenizer
         self.replica = None
+        self._reporter: threading.Thread | None = None
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
         self._start_error: BaseException | None = None
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
@@ -329,7 +370,18 @@ class GenerateReplica:
                 raise self._start_error
             if self.replica is None:
                 self.replica = self._build_replica()
+                if self.stats is not None:
+                    self._reporter = threading.Thread(target=self._report_live, name="raysd-progress", daemon=True)
+                    self._reporter.start()
             return self.replica
+
+    def _report_live(self) -> None:
+        """The replica's finished samples, to JobStats every _PROGRESS_REPORT_EVERY_S (a thread)."""
+        while True:
+            time.sleep(_PROGRESS_REPORT_EVERY_S)
+            counts = self.replica.live.take()
+            if counts["rows_generated"]:
+                _report(self.stats, **counts)
 
     def _build_replica(self):
         """A new GenerationReplica. A model actor lost while its coordinator starts (its process or
@@ -340,7 +392,8 @@ class GenerateReplica:
 
         for attempt in range(1, _REPLICA_BUILD_ATTEMPTS + 1):
             try:
-                return GenerationReplica(self.cfg, self.tag, max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size)
+                return GenerationReplica(self.cfg, self.tag, max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size,
+                                         stop_strings=self.stop_strings)
             except RayActorError as exc:
                 if attempt == _REPLICA_BUILD_ATTEMPTS:
                     raise
@@ -354,35 +407,35 @@ class GenerateReplica:
 
         cfg = self.cfg
         rows, bad = _rows_of(batch)
-        outputs: list[dict | None] = [None] * len(rows)
+        outputs: list[list[dict]] = [[] for _ in rows]
         payload, index = [], []
         for i, row in enumerate(rows):
             if i in bad:
-                outputs[i] = error_output(cfg, row[cfg.id_column], bad[i])
+                outputs[i] = [error_output(cfg, row[cfg.id_column], bad[i])]
                 continue
             if row.get(ID_ERROR):
-                outputs[i] = error_output(cfg, row[cfg.id_column], row[ID_ERROR])
+                outputs[i] = [error_output(cfg, row[cfg.id_column], row[ID_ERROR])]
                 continue
             payload.append({"id": row[cfg.id_column], "prompt": self._value(row, cfg.prompt_column),
+                            "done_samples": row.get(DONE_SAMPLES),
                             **{c: self._value(row, c) for c in OVERRIDE_COLUMNS if c in row}})
             index.append(i)
         if payload:
-            generated, report = self._get_replica().generate(payload)
-            for i, out in zip(index, generated):
-                outputs[i] = out
-            _report(self.stats, rows_generated=len(generated),
-                    tokens=sum(o["num_generated_tokens"] for o in generated),
-                    drafted=sum(o["num_draft_tokens"] for o in generated),
-                    accepted=sum(o["num_accepted_draft_tokens"] for o in generated),
-                    **stage_counts(report))
+            replica = self._get_replica()
+            generated, report = replica.generate(payload)
+            for i, outs in zip(index, generated):
+                outputs[i] = outs
+            # This block's finished samples (those not yet taken by _report_live) go with its stage counts.
+            _report(self.stats, **replica.live.take(), **stage_counts(report))
+        errors = sum(len(outs) for i, outs in enumerate(outputs) if i in bad or rows[i].get(ID_ERROR))
+        _report(self.stats, rows_generated=errors)  # the id stage's and unreadable rows' error rows
         records = []
-        for row, out in zip(rows, outputs):
-            record = {cfg.id_column: row[cfg.id_column]}
+        for row, outs in zip(rows, outputs):
+            base = {cfg.id_column: row[cfg.id_column]}
             for name in self.passthrough:
                 value = row.get(name)
-                record[name] = output_json_value(value) if name in self.json_columns else value
-            record.update(out)
-            records.append(record)
+                base[name] = output_json_value(value) if name in self.json_columns else value
+            records.extend({**base, **out} for out in outs)
         return pa.Table.from_pylist(records, schema=self.schema)
 
     def __del__(self):
@@ -402,6 +455,8 @@ def stage_counts(report: dict) -> dict:
         "target_busy_s": report["target_busy_s"], "wall_s": report["wall_s"], "engine_idle_s": report["idle_s"],
         "active_rows": report["active_rows"], "slot_steps": report["steps"] * report["slots"],
         "engine_steps": report["steps"], "draft_steps": report["draft_steps"], "recoveries": report["recoveries"],
+        "first_step_at": report["first_step_at"], "last_step_at": report["last_step_at"],
+        **{k: v for k, v in report.items() if k.startswith("suffix_")},
     }
 
 
@@ -445,17 +500,6 @@ def breakdown_text(totals: dict) -> str:
     return f"; occupancy {'n/a' if occ is None else format(occ, '.2f')}; s: {stages}"
 
 
-def block_totals(table: pa.Table) -> dict:
-    """The counts the summary needs, from a block of output rows."""
-    def total(name):
-        return int(pc.sum(table.column(name)).as_py() or 0) if table.num_rows else 0
-
-    failed = int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0) if table.num_rows else 0
-    return {"rows": table.num_rows, "failed": failed, "tokens": total("num_generated_tokens"),
-            "drafted": total("num_draft_tokens"), "accepted": total("num_accepted_draft_tokens"),
-            "steps": total("num_spec_steps"), "branch_accepts": total("num_branch_accepts")}
-
-
 class PartsSink(Datasink):
     """Writes each write task's rows as ONE Parquet part, atomically: `_tmp/<name>` first, then a
     rename into place in the same filesystem. A killed job leaves at most files under `_tmp/`,
@@ -464,20 +508,14 @@ class PartsSink(Datasink):
     Part names come from the run and the write task's index, so a retried write task
     replaces its own part instead of adding a second copy of its rows.
 
-    `on_write_complete` (on the driver) adds up the write tasks' counts and calls `finish`,
-    which writes `_summary.json`.
+    `on_write_complete` (on the driver) adds up the write tasks' counts (`totals`), from which
+    the runner writes `_summary.json`.
     """
 
     def __init__(self, url: str, schema: pa.Schema, rows_per_file: int, local: bool, stats=None):
         self.url, self.schema, self.rows_per_file, self.local, self.stats = url, schema, rows_per_file, local, stats
         self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        self.finish = None  # driver only: called with the totals
         self.totals: dict | None = None
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["finish"] = None
-        return state
 
     @property
     def supports_distributed_writes(self) -> bool:
@@ -494,24 +532,22 @@ class PartsSink(Datasink):
     def write(self, blocks: Iterable, ctx) -> dict:
         tables = [b for b in blocks if b.num_rows]
         if not tables:
-            return block_totals(self.schema.empty_table())
+            return row_totals(None)
         table = conform(pa.concat_tables(tables), self.schema)
         index = ctx.task_idx if ctx is not None else uuid.uuid4().hex[:8]
         name = f"part-{self.run_id}-{index:06d}.parquet" if isinstance(index, int) else f"part-{self.run_id}-{index}.parquet"
         start = time.perf_counter()
         OutputStore(self.url).write_part(table, name)
-        totals = block_totals(table)
+        totals = row_totals(table)
         _report(self.stats, rows_written=totals["rows"], write_s=time.perf_counter() - start)
         return totals
 
     def on_write_complete(self, write_result) -> None:
-        totals = {"rows": 0, "failed": 0, "tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "branch_accepts": 0}
+        totals = row_totals(None)
         for part in write_result.write_returns:
             for k in totals:
                 totals[k] += part.get(k, 0)
         self.totals = totals
-        if self.finish is not None:
-            self.finish(totals)
 
 
 class _TimedRead:
@@ -571,8 +607,9 @@ def time_reads(ds, stats) -> bool:
 GENERATION_STAGE_OPTIONS: dict = {}
 
 
-def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, stats=None, job_key: str | None = None):
-    """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows. `job_key` names
+def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done, stats=None, job_key: str | None = None):
+    """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows. `done`: the
+    output's {id: sample indices} (OutputStore.done_samples), or ids done whole. `job_key` names
     the job's records in the GCS (the id stage's claim, the replicas' placement groups); drop them
     with release_job when the job ends."""
     make_ids = cfg.id_column not in source.schema.names
@@ -581,7 +618,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
     ds = ds.map_batches(
         AssignIds,
         fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats,
-                             job_key),
+                             job_key, cfg.num_samples, source.json_columns),
         batch_format="pyarrow",
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
@@ -605,7 +642,8 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done: set, sta
                                   max_concurrent_calls_per_actor=CONCURRENT_BLOCKS_PER_REPLICA,
                                   enable_true_multi_threading=True),
         num_cpus=0,  # the model actors (in the coordinator's placement group) hold the CPUs/GPUs
-        udf_modifying_row_count=False,
+        # A row in, a row out, unless a row may ask for several samples.
+        udf_modifying_row_count=cfg.num_samples > 1 or "num_samples" in source.schema.names,
         **GENERATION_STAGE_OPTIONS,
     )
     return ds
@@ -619,7 +657,7 @@ def batch_blocks(ds, batch_size: int):
     block of 35 rows becomes 8, 8, 8, 8 and 3; a 64-prompt job's generation stage got blocks of
     3 and 2 rows among its 8s), so a replica's CONCURRENT_BLOCKS_PER_REPLICA calls at times held
     too few rows to fill its batch: occupancy 0.89 where the engine had 0.93, 4% more steps for
-    the same tokens (docs/benchmarks.md, Benchmark 6). Strict blocks combine rows across input
+    the same tokens (docs/history/benchmarks.md, Benchmark 6). Strict blocks combine rows across input
     blocks, in order."""
     ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
     _repartition_needs_no_cpu(ds)

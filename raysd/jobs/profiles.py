@@ -18,7 +18,7 @@ import platform
 from pathlib import Path
 from typing import Callable
 
-from raysd.engine.adaptive import StepCosts
+from raysd.core.speculation import StepCosts
 from raysd.models.gguf_cache import cache_root
 
 # Step times depend on the engine's own code as well: bump this when a change moves them, so that

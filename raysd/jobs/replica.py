@@ -9,6 +9,7 @@ resources, in the coordinator's placement group).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -19,6 +20,8 @@ from typing import Any
 from raysd.core.sampling import SamplingParams
 from raysd.core.stats import SpecDecodeStats
 from raysd.jobs.config import GenerateConfig
+from raysd.jobs.schema import num_samples_of
+from raysd.models.names import SUFFIX
 
 _MAX_SEED = 2**63 - 1
 
@@ -30,8 +33,22 @@ def row_seed(job_seed: int, row_id: Any) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _MAX_SEED
 
 
+def sample_seed(row_seed_: int, sample_index: int) -> int:
+    """Sample `sample_index`'s seed from its row's seed (`row_seed`, or the row's `seed` column):
+    the row's own for sample 0, so a job without samples keeps its seeds; a stable hash of the
+    two for the others. So each sample's seed is a function of (job seed, id, sample index)."""
+    if sample_index == 0:
+        return row_seed_
+    key = f"{row_seed_}\x1fsample\x1f{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _MAX_SEED
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] | None, str | None]:
@@ -77,23 +94,43 @@ def _chat(tokenizer, messages) -> tuple[list[int] | None, str | None]:
     return list(tokenizer(text, add_special_tokens=False).input_ids), None
 
 
+def _row_stop(value, default: tuple[str, ...]) -> tuple[tuple[str, ...] | None, str | None]:
+    """A row's `stop` value as stop strings: null keeps the job's; a string is one; a list of
+    non-empty strings replaces the job's ([] : none for this row)."""
+    if value is None:
+        return default, None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x for x in value):
+        return None, f"stop must be a list of non-empty strings, got {value!r}"
+    return tuple(value), None
+
+
 def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, int, str | None]:
-    """(params, seed, None) or (None, seed, why not): the job's values with the row's overrides."""
+    """(params, seed, None) or (None, seed, why not): the job's values with the row's overrides
+    (OVERRIDE_COLUMNS), for the row's sample 0 (`sample_seed` gives the others' seeds)."""
     seed = row.get("seed")
     if seed is None:
         seed = row_seed(cfg.seed, row["id"])
     elif not _is_int(seed) or not 0 <= seed <= _MAX_SEED:
         return None, 0, f"seed must be an integer in [0, 2**63), got {seed!r}"
-    max_new = row.get("max_new_tokens")
-    max_new = cfg.max_new_tokens if max_new is None else max_new
-    temperature = row.get("temperature")
-    temperature = cfg.temperature if temperature is None else temperature
-    if not _is_int(max_new):
-        return None, seed, f"max_new_tokens must be an integer, got {max_new!r}"
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        return None, seed, f"temperature must be a number, got {temperature!r}"
+
+    def value(name):
+        v = row.get(name)
+        return getattr(cfg, name) if v is None else v
+
+    max_new, temperature, top_p, top_k = value("max_new_tokens"), value("temperature"), value("top_p"), value("top_k")
+    for name, v, ok, kind in (("max_new_tokens", max_new, _is_int, "an integer"), ("temperature", temperature, _is_number, "a number"),
+                              ("top_p", top_p, _is_number, "a number"), ("top_k", top_k, _is_int, "an integer")):
+        if not ok(v):
+            return None, seed, f"{name} must be {kind}, got {v!r}"
+    stop, error = _row_stop(row.get("stop"), cfg.stop)
+    if error is not None:
+        return None, seed, error
     try:
-        params = SamplingParams(temperature=float(temperature), top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, max_new_tokens=max_new)
+        params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed, max_new_tokens=max_new,
+                                stop=stop, include_stop_str_in_output=cfg.include_stop_str_in_output, logprobs=cfg.logprobs,
+                                top_logprobs=cfg.top_logprobs, logprobs_mode=cfg.logprobs_mode)
     except ValueError as exc:
         return None, seed, str(exc)
     return params, seed, None
@@ -175,14 +212,76 @@ class _Metrics:
 
 
 def error_output(cfg: GenerateConfig, row_id: Any, message: str) -> dict:
-    """The output columns of a row that cannot be generated under its id (null or duplicate)."""
+    """The output columns of a row that cannot be generated under its id (null or duplicate): one
+    error row, sample 0, whatever its num_samples."""
     k = cfg.effective_num_speculative_tokens
     return {
-        "generated_text": None, "generated_token_ids": [], "num_prompt_tokens": 0, "num_generated_tokens": 0,
+        "sample_index": 0, "generated_text": None, "generated_token_ids": [], "generated_logprobs": None, "top_logprobs": None,
+        "num_prompt_tokens": 0, "num_generated_tokens": 0,
         "finish_reason": "error", "error": message, **SpecDecodeStats(k).to_dict(),
-        "target_model": cfg.target, "draft_model": cfg.draft, "num_speculative_tokens": k,
-        "acceptance": cfg.acceptance, "tree_budget": cfg.tree_budget, "seed": row_seed(cfg.seed, row_id), "latency_s": 0.0,
+        "target_model": cfg.target, "draft_model": cfg.draft, "target_dtype": None, "draft_dtype": None,
+        "num_speculative_tokens": k, "acceptance": cfg.acceptance, "tree_budget": cfg.tree_budget,
+        "seed": row_seed(cfg.seed, row_id), "latency_s": 0.0,
     }
+
+
+def load_on_actor_device(spec):
+    """A model factory for a model actor (`functools.partial(load_on_actor_device, spec)`): the
+    model loaded straight onto the device Ray gave the actor, where a "auto" dtype resolves
+    (bfloat16 on its GPU, float32 on the CPU)."""
+    from raysd.actors.model_actors import assigned_device
+    from raysd.models.loading import load_model
+
+    return load_model(dataclasses.replace(spec, device=str(assigned_device())))
+
+
+def load_eagle_on_actor_device(name: str, target_spec, dtype: str):
+    """As `load_on_actor_device`, for an EAGLE draft built on the job's target."""
+    from raysd.actors.model_actors import assigned_device
+    from raysd.models.loading import load_eagle_for
+
+    return load_eagle_for(name, dataclasses.replace(target_spec, device=str(assigned_device())), dtype)
+
+
+class _LiveCounts:
+    """Samples finished since the progress reporter last took them (rows, tokens, drafts,
+    accepts), counted as each one's future completes, so the driver's progress line moves during
+    a block, not only when a block ends."""
+
+    KEYS = ("rows_generated", "tokens", "drafted", "accepted")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.KEYS, 0)
+        self._first: float | None = None  # wall-clock time of the first sample finished (JobStats keeps the earliest)
+
+    def add(self, future) -> None:
+        """A future's done callback: runs on the stream's loop thread, so only adds."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        res = future.result().result
+        self._add(1, len(res.token_ids), res.stats.num_draft_tokens, res.stats.num_accepted_draft_tokens)
+
+    def add_errors(self, rows: int) -> None:
+        """Error rows made without a request (a bad prompt or override)."""
+        if rows:
+            self._add(rows, 0, 0, 0)
+
+    def _add(self, rows: int, tokens: int, drafted: int, accepted: int) -> None:
+        with self._lock:
+            c = self._counts
+            c["rows_generated"] += rows
+            c["tokens"] += tokens
+            c["drafted"] += drafted
+            c["accepted"] += accepted
+            if self._first is None:
+                self._first = time.time()
+
+    def take(self) -> dict:
+        """The counts since the last take, and `first_row_at`."""
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(self.KEYS, 0)
+        return {**counts, "first_row_at": self._first}
 
 
 class GenerationReplica:
@@ -191,9 +290,12 @@ class GenerationReplica:
     Ray Data runs one per actor of the generation stage (`raysd.jobs.pipeline.GenerateReplica`).
     """
 
-    def __init__(self, cfg: GenerateConfig, replica: int | str = 0, max_pending: int | None = None):
+    def __init__(self, cfg: GenerateConfig, replica: int | str = 0, max_pending: int | None = None,
+                 stop_strings: bool | None = None):
+        """`stop_strings`: rows may ask for stop strings (--stop, or an input `stop` column), so the
+        target actor builds the target's tokenizer (None: from cfg.stop alone)."""
         from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
-        from raysd.models.loading import ModelSpec, draft_kind, load_eagle_for, load_model, load_tokenizer
+        from raysd.models.loading import ModelSpec, draft_kind, load_tokenizer
 
         started = time.perf_counter()
         self.cfg = cfg
@@ -219,15 +321,16 @@ class GenerationReplica:
             draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
                                     allow_pickle_weights=cfg.allow_pickle_weights)
             if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
-                drafter = DrafterSpec(functools.partial(load_eagle_for, cfg.draft, target_spec, cfg.draft_dtype))
+                drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
             else:
-                drafter = DrafterSpec(functools.partial(load_model, draft_spec), inner=cfg.draft_assist)
+                drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist)
             draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=gpus)
-        else:  # n-gram lookup or no drafting: no model, no GPU
-            drafter = DrafterSpec(None)
+        else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
+            drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
             draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=0)
+        # Adaptive K waits for its step costs (measured below, once the models have loaded).
         ccfg = CoordinatorConfig(
-            num_speculative_tokens=self.K,
+            dataclasses.replace(cfg.speculation, adaptive=None),
             # One micro-batch until the step costs say two pay (below): a model-free drafter has
             # nothing to overlap, and halving the batch would only slow the target.
             micro_batch_size=cfg.batch_size,
@@ -236,50 +339,67 @@ class GenerationReplica:
             target_resources=ActorResources(num_cpus=target_cpus, num_gpus=gpus),
             placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
-            acceptance=cfg.acceptance,
-            tree_budget=cfg.tree_budget,
         )
-        self.coordinator = SpecCoordinator(functools.partial(load_model, target_spec), drafter, ccfg)
+        # Stop strings are matched where the rows live, in the target actor, on its own copy of the
+        # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and
+        # only if the target has one (known once this replica's own copy has loaded: without one,
+        # such rows become error rows, "stop strings need the target's tokenizer").
+        if stop_strings is None:
+            stop_strings = bool(cfg.stop)
+        tokenizer_factory = None
+        if stop_strings:
+            thread.join()
+            if tokenizer_box.get("tok") is not None:
+                tokenizer_factory = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
+        self.coordinator = SpecCoordinator(functools.partial(load_on_actor_device, target_spec), drafter, ccfg,
+                                           tokenizer_factory=tokenizer_factory)
         thread.join()
         if "error" in tokenizer_box:
             raise tokenizer_box["error"]
         self.tokenizer = tokenizer_box.get("tok")
+        # The dtypes the models run in, "auto" resolved by each model actor on its device.
+        self.target_dtype = self.coordinator.target_info.dtype
+        self.draft_dtype = self.coordinator.draft_info.dtype if cfg.draft_is_model else None
         eos = _eos_ids(cfg.target, self.tokenizer, cfg.trust_remote_code)
         # The EOS ids are known only now (the tokenizer loaded beside the models); rows read them at admission.
-        import dataclasses
-
-        adaptive, micro = None, 1
-        if cfg.draft_is_model or cfg.adaptive_speculation:
-            from raysd.engine.adaptive import AdaptiveConfig, choose_k, num_micro_batches
+        # -k auto learns its step costs from the job's own steps (LearnedStepCosts), with no
+        # profiling pass before the first token; a draft model's profile, when there is one, is
+        # the better start.
+        adaptive, micro = cfg.speculation.adaptive, 1
+        if cfg.draft_is_model:
+            from raysd.core.speculation import AdaptiveConfig
+            from raysd.engine.adaptive import choose_k, num_micro_batches
             from raysd.jobs.profiles import cached_step_costs
 
-            # Step costs measured in the actors at the batch sizes this replica may run (cached per
-            # models and machine): they choose one or two micro-batches, and K under `-k auto`.
+            # A draft model's step costs at the batch sizes this replica may run, measured in the
+            # actors once per models and machine (cached): they choose one or two micro-batches.
             half = max(1, math.ceil(cfg.batch_size / 2))
-            # Without a draft model the batch is never split: no need to time half of it.
-            sizes = sorted({1, half, cfg.batch_size} if cfg.draft_is_model else {1, cfg.batch_size})
+            sizes = sorted({1, half, cfg.batch_size})
             k_max = max(self.K, cfg.tree_budget)  # a tree of P nodes is weighed by T_target(B, P + 1)
             c = self.coordinator
-            key = {"target": cfg.target, "target_dtype": cfg.target_dtype, "draft": cfg.draft, "draft_dtype": cfg.draft_dtype,
+            key = {"target": cfg.target, "target_dtype": self.target_dtype, "draft": cfg.draft, "draft_dtype": self.draft_dtype,
                    "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": k_max,
                    "batch_sizes": sizes, "context": 64, "reps": 2}
             costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
             serial = AdaptiveConfig(costs)
             # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
             k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K
-            micro = num_micro_batches(costs, cfg.batch_size, k) if cfg.draft_is_model else 1
+            micro = num_micro_batches(costs, cfg.batch_size, k)
             if cfg.adaptive_speculation:
-                adaptive = AdaptiveConfig(costs, overlapped=micro > 1)
+                adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
+        speculation = dataclasses.replace(cfg.speculation, eos_token_ids=eos, adaptive=adaptive)
         self.coordinator.config = ccfg = dataclasses.replace(
-            self.coordinator.config, micro_batch_size=math.ceil(cfg.batch_size / micro), num_micro_batches=micro,
-            eos_token_ids=eos, adaptive=adaptive)
+            self.coordinator.config, speculation=speculation, micro_batch_size=math.ceil(cfg.batch_size / micro),
+            num_micro_batches=micro)
         self.metrics = _Metrics(cfg, replica)
+        self.live = _LiveCounts()  # samples finished, for the driver's progress line (taken by the stage)
         # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
         # block take slots as soon as rows of the last one free them. Bounded: by default three
         # batches' rows queued or running (the Ray Data stage keeps about that many blocks inside).
         self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
         self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
         self._reported: dict = {}
+        self._sources: dict[str, int] = {}  # a suffix drafter's drafts by source, as last reported
         self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
         self._report_lock = threading.Lock()
         # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
@@ -296,47 +416,61 @@ class GenerationReplica:
         finally:
             self.coordinator.shutdown()
 
-    def generate(self, rows: list[dict]) -> tuple[list[dict], dict]:
-        """Output columns (schema.GENERATED_FIELDS) for each row, in order, and the call's report.
+    def generate(self, rows: list[dict]) -> tuple[list[list[dict]], dict]:
+        """Each row's output rows (schema.GENERATED_FIELDS), one per sample to generate, in order,
+        and the call's report.
 
-        A row holds `id`, `prompt` and optionally `max_new_tokens`, `temperature`, `seed`.
+        A row holds `id`, `prompt`, optionally the override columns (schema.OVERRIDE_COLUMNS) and
+        `done_samples`: sample indices already in the output (a resumed job), which are skipped.
+        A row of N samples becomes N requests submitted one after another, so that the engine
+        admits them together where slots allow and prefills their prompt once. A row that cannot
+        run (bad prompt, bad override) gives an error row per sample (one, sample 0, for a bad
+        `num_samples`).
         Thread-safe: concurrent calls feed the same stream, so their rows share the micro-batches.
         The report: this call's tokenise and detokenise seconds, and the stream's totals since the
         last report of any call (busy times, steps, occupancy sums, queue wait), so that summing
         the reports of every call counts each second once.
         """
-        from raysd.engine.rows import Request
+        from raysd.engine.requests import Request
 
         cfg = self.cfg
-        outputs: list[dict | None] = [None] * len(rows)
-        futures, index, seeds = [], [], {}
+        outputs: list[list[dict]] = [[] for _ in rows]
+        pending = []  # (row, sample index, seed, future)
         t0 = time.perf_counter()
         tokenize_s = 0.0
         for i, row in enumerate(rows):
-            params, seed, error = row_params(row, cfg)
-            seeds[i] = seed
-            ids = None
+            n, error = num_samples_of(row.get("num_samples"), cfg.num_samples)
+            params, seed = None, row_seed(cfg.seed, row["id"])
             if error is None:
+                params, seed, error = row_params(row, cfg)
+            samples = [j for j in range(n) if j not in set(row.get("done_samples") or ())]
+            ids = None
+            if error is None and samples:
                 t = time.perf_counter()
                 with self._tokenizer_lock:
                     ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
                 tokenize_s += time.perf_counter() - t
             if error is not None:
-                outputs[i] = self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0)
+                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, sample_seed(seed, j), 0.0, j)
+                              for j in samples]
+                self.live.add_errors(len(samples))
                 continue
-            futures.append(self.stream.submit(Request(i, ids, params)))  # blocks while the stream is full
-            index.append(i)
+            for j in samples:
+                params_j = params if j == 0 else dataclasses.replace(params, seed=sample_seed(seed, j))
+                future = self.stream.submit(Request((i, j), ids, params_j))  # blocks while the stream is full
+                future.add_done_callback(self.live.add)
+                pending.append((i, j, params_j.seed, future))
         submit_s = time.perf_counter() - t0
         detokenize_s = 0.0
-        for i, future in zip(index, futures):
+        for i, j, seed, future in pending:
             done = future.result()  # raises if the loop failed
-            res = done.result
             t = time.perf_counter()
-            outputs[i] = self._row(res.prompt_token_ids, res.token_ids, res.finish_reason, res.stats, res.error,
-                                   seeds[i], done.latency_s)
+            outputs[i].append(self._row(done.result.prompt_token_ids, done.result.token_ids, done.result.finish_reason,
+                                        done.result.stats, done.result.error, seed, done.latency_s, j, done.result))
             detokenize_s += time.perf_counter() - t
-        for out in outputs:
-            self.metrics.observe(out)
+        for row_outputs in outputs:
+            for out in row_outputs:
+                self.metrics.observe(out)
         report = {"tokenize_s": tokenize_s, "detokenize_s": detokenize_s, "submit_s": submit_s, **self._stream_delta()}
         return outputs, report
 
@@ -348,18 +482,45 @@ class GenerationReplica:
                      ("draft_busy_s", "target_busy_s", "steps", "draft_steps", "active_rows", "queue_wait_s", "idle_s", "recoveries", "wall_s")}
             self._reported = now
             delta["start_s"], self._start_s = self._start_s, 0.0
+            if self.cfg.draft == SUFFIX:  # where the suffix drafter's drafts came from, rows finished since
+                sources = self._draft_sources()
+                delta.update({f"suffix_{k}": v - self._sources.get(k, 0) for k, v in sources.items()})
+                self._sources = sources
         delta["wall_s"] -= delta["idle_s"]  # the loop's working time: the overlap's denominator
         delta["slots"] = now["slots"]
+        delta["first_step_at"], delta["last_step_at"] = now["first_step_at"], now["last_step_at"]  # times, not deltas
         return delta
 
-    def _row(self, prompt_ids, tokens, finish_reason, stats: SpecDecodeStats, error, seed, latency) -> dict:
+    def _draft_sources(self) -> dict[str, int]:
+        """The suffix drafter's drafts by source so far (in the target actor: SuffixIndex.provenance);
+        the last known counts if the actor cannot answer (a report only)."""
+        import ray
+
+        try:
+            return ray.get(self.coordinator.target.draft_sources.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - e.g. the actor is restarting: counts only
+            return dict(self._sources)
+
+    def _row(self, prompt_ids, tokens, finish_reason, stats: SpecDecodeStats, error, seed, latency, sample_index: int = 0,
+             result=None) -> dict:
+        """One output row. `result`: the GenerationResult, for its stop-cut text and logprobs."""
         text = None
-        if self.tokenizer is not None and finish_reason != "error":
+        if result is not None and result.text is not None:  # ended by a stop string: cut there by the engine
+            text = result.text
+        elif self.tokenizer is not None and finish_reason != "error":
             with self._tokenizer_lock:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        logprobs = top = None
+        if result is not None and finish_reason != "error":
+            logprobs = None if result.logprobs is None else [float(x) for x in result.logprobs]
+            if result.top_logprobs is not None:
+                top = [[{"id": int(t), "logprob": float(lp)} for t, lp in position] for position in result.top_logprobs]
         return {
+            "sample_index": sample_index,
             "generated_text": text,
             "generated_token_ids": list(tokens),
+            "generated_logprobs": logprobs,
+            "top_logprobs": top,
             "num_prompt_tokens": len(prompt_ids),
             "num_generated_tokens": len(tokens),
             "finish_reason": finish_reason,
@@ -367,6 +528,8 @@ class GenerationReplica:
             **stats.to_dict(),
             "target_model": self.cfg.target,
             "draft_model": self.cfg.draft,
+            "target_dtype": self.target_dtype,
+            "draft_dtype": self.draft_dtype,
             "num_speculative_tokens": self.K,
             "acceptance": self.cfg.acceptance,
             "tree_budget": self.cfg.tree_budget,

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -25,42 +26,82 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 from raysd.jobs.config import GenerateConfig, JobError
-from raysd.jobs.io import IO_TASK_CPUS, InputSource, OutputStore, in_process, open_input
+from raysd.jobs.io import IO_TASK_CPUS, InputSource, OutputStore, in_process, input_identity, open_input
 from raysd.jobs.schema import output_schema, passthrough_fields, reserved_clashes
 
-_PROGRESS_EVERY_S = 10.0
+_PROGRESS_EVERY_S = 10.0  # a progress line when stderr is not a terminal (a log, `ray job submit`)
+_TTY_EVERY_S = 1.0  # the progress line rewritten on a terminal
+
+
+def pooled(totals: dict, tree_budget: int) -> dict:
+    """Acceptance statistics pooled over rows, from `raysd.jobs.schema.row_totals` counts: the
+    acceptance rate (accepted / drafted), the mean acceptance length (1 + accepted / steps) and,
+    for a tree job (--tree-budget P > 0), the tree statistics named as their Parquet columns."""
+    drafted, accepted, steps = totals["drafted"], totals["accepted"], totals["steps"]
+    out = {"draft_acceptance_rate": accepted / drafted if drafted else None,
+           "mean_acceptance_length": 1 + accepted / steps if steps else None,
+           "mean_nodes_verified": None, "mean_accepted_depth": None, "num_branch_accepts": None}
+    if tree_budget:
+        out.update(mean_nodes_verified=drafted / steps if steps else None,
+                   mean_accepted_depth=accepted / steps if steps else None,
+                   num_branch_accepts=totals.get("branch_accepts", 0))
+    return out
 
 
 @dataclass
-class JobSummary:
-    output: str
-    rows: int  # rows in the output now (this run and earlier ones)
-    rows_this_run: int
-    rows_skipped: int  # already in the output (resumed)
-    rows_failed: int  # error rows written by this run
-    generated_tokens: int  # by this run
-    wall_s: float
+class RunSummary:
+    """One run's own figures: `JobSummary.latest_run`."""
+
+    rows: int  # rows this run wrote
+    rows_skipped: int  # already in the output when it started (resumed)
+    rows_failed: int  # error rows this run wrote
+    generated_tokens: int
+    wall_s: float  # the whole run: the phases of time_breakdown["wall"] add up to it
     tokens_per_s: float
-    draft_acceptance_rate: float | None  # accepted / drafted, this run
-    mean_acceptance_length: float | None  # 1 + accepted / steps, this run (tokens per target forward)
+    draft_acceptance_rate: float | None  # accepted / drafted, over this run's rows
+    mean_acceptance_length: float | None  # 1 + accepted / steps (tokens per target forward)
     overlap_efficiency: float | None  # draft/verify overlap, pooled over this run's batches
-    # Draft trees (--tree-budget P > 0), pooled over this run's rows as the Parquet columns of the
-    # same names; null for a chain job.
+    # Draft trees (--tree-budget P > 0), pooled like the two above; null for a chain job.
     mean_nodes_verified: float | None = None  # drafted / steps: tree nodes the target verified per step
     mean_accepted_depth: float | None = None  # accepted / steps: depth of the accepted path per step
     num_branch_accepts: int | None = None  # accepted nodes that were not a rank-0 child, summed
-    tree_budget: int = 0  # P (0: a chain)
-    target_model: str = ""
-    draft_model: str = ""
-    num_speculative_tokens: int = 0
     replicas: int = 1
-    finish_reasons: dict = field(default_factory=dict)  # over the whole output
     occupancy: float | None = None  # mean rows in the replicas' micro-batches per step / their slots
-    time_breakdown: dict = field(default_factory=dict)  # seconds per stage, summed (raysd.jobs.pipeline.time_breakdown)
+    # "wall": the run's wall time as consecutive phases on the driver's clock, which add up to
+    # wall_s (process, check, ray_start, pipeline_start, generating, pipeline_end, shutdown,
+    # summary; `WallClock`); the rest: seconds per stage, summed over blocks and replicas
+    # (overlapping; raysd.jobs.pipeline.time_breakdown).
+    time_breakdown: dict = field(default_factory=dict)
+    # --draft suffix: the drafts (tree nodes) proposed and accepted by source, over this run's rows:
+    # drafted_self, drafted_other, accepted_self, accepted_other (the row's own tokens, or other rows').
+    draft_sources: dict | None = None
     # The job's stats actor died (restarted empty, or unreachable at the end): rows_skipped,
     # overlap_efficiency, occupancy and time_breakdown then cover only part of the run. The rows
     # and tokens come from the parts written, so they are exact regardless.
     stats_partial: bool = False
+
+
+@dataclass
+class JobSummary:
+    """The whole output (`_summary.json`): the rows on disk and their statistics, over every run
+    that wrote them (a killed run's parts included), counted from the parts; `latest_run`: the
+    run that wrote this summary."""
+
+    output: str
+    rows: int  # rows in the output
+    rows_failed: int  # error rows in the output
+    generated_tokens: int  # over the output's rows
+    draft_acceptance_rate: float | None  # accepted / drafted, pooled over the output's rows
+    mean_acceptance_length: float | None  # 1 + accepted / steps, pooled
+    latest_run: RunSummary
+    mean_nodes_verified: float | None = None  # tree jobs, pooled over the output's rows (see RunSummary)
+    mean_accepted_depth: float | None = None
+    num_branch_accepts: int | None = None
+    tree_budget: int = 0  # P (0: a chain)
+    target_model: str = ""
+    draft_model: str = ""
+    num_speculative_tokens: int = 0
+    finish_reasons: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,21 +110,39 @@ class JobSummary:
         def f(x, spec=".3f"):
             return "n/a" if x is None else format(x, spec)
 
+        run = self.latest_run
+        tree = (f"; tree P={self.tree_budget}: nodes verified/step {f(run.mean_nodes_verified, '.2f')}, "
+                f"accepted depth/step {f(run.mean_accepted_depth)}, branch accepts {run.num_branch_accepts}"
+                if self.tree_budget else "")
         return (
-            f"raysd generate: {self.rows} rows in {self.output} ({self.rows_this_run} generated now, "
-            f"{self.rows_skipped} already there, {self.rows_failed} errors); "
-            f"{self.generated_tokens} tokens in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tok/s; "
-            f"acceptance rate {f(self.draft_acceptance_rate)}, mean acceptance length {f(self.mean_acceptance_length)}, "
-            f"overlap efficiency {f(self.overlap_efficiency, '.2f')}, occupancy {f(self.occupancy, '.2f')}"
-            + (f"; tree P={self.tree_budget}: nodes verified/step {f(self.mean_nodes_verified, '.2f')}, "
-               f"accepted depth/step {f(self.mean_accepted_depth)}, branch accepts {self.num_branch_accepts}"
-               if self.tree_budget else "")
+            f"raysd generate: {self.rows} rows in {self.output} ({run.rows} generated now, {run.rows_skipped} already "
+            f"there; {self.rows_failed} errors in all, {run.rows_failed} now); this run: {run.generated_tokens} tokens "
+            f"in {run.wall_s:.1f}s = {run.tokens_per_s:.1f} tok/s, acceptance rate {f(run.draft_acceptance_rate)}, "
+            f"mean acceptance length {f(run.mean_acceptance_length)}, overlap efficiency "
+            f"{f(run.overlap_efficiency, '.2f')}, occupancy {f(run.occupancy, '.2f')}{tree}; whole output: "
+            f"{self.generated_tokens} tokens, acceptance rate {f(self.draft_acceptance_rate)}, mean acceptance "
+            f"length {f(self.mean_acceptance_length)}"
         )
 
 
-def check_job(cfg: GenerateConfig) -> tuple[InputSource, OutputStore, pa.Schema]:
-    """Everything that can be checked before Ray starts or a model loads. Raises JobError."""
-    from raysd.jobs.config import NGRAM, NO_DRAFT
+@dataclass(frozen=True)
+class CheckedJob:
+    """A job that passed `check_job`: its input, output, output schema and `_job.json` record
+    (the fingerprint, the config, the schema and the input's identity)."""
+
+    source: InputSource
+    store: OutputStore
+    schema: pa.Schema
+    record: dict
+    resume: bool  # the output holds an earlier run of this job
+
+
+def check_job(cfg: GenerateConfig) -> CheckedJob:
+    """Everything that can be checked before Ray starts or a model loads. Raises JobError. Writes
+    nothing: the input, its columns, the models, where the output is, whether it is raysd's, and
+    for a resume whether it was started by this job from this input (which reads every row of
+    the input once, unless its files are as the output recorded them)."""
+    from raysd.models.names import MODEL_FREE
     from raysd.models.loading import check_model_exists
 
     source = open_input(cfg.input, cfg.split)
@@ -100,13 +159,19 @@ def check_job(cfg: GenerateConfig) -> tuple[InputSource, OutputStore, pa.Schema]
     else:
         id_field = pa.field(cfg.id_column, pa.int64())  # created from the row order
     schema = output_schema(id_field, passthrough_fields(source.schema, cfg.id_column))
-    for name in (cfg.target,) + ((cfg.draft,) if cfg.draft not in (NGRAM, NO_DRAFT) else ()):
+    for name in (cfg.target,) + ((cfg.draft,) if cfg.draft not in MODEL_FREE else ()):
         try:
             check_model_exists(name, cfg.allow_pickle_weights)
         except (FileNotFoundError, ValueError) as exc:  # missing, or pickled weights not allowed
             raise JobError(str(exc)) from None
     store = OutputStore(cfg.output)
-    return source, store, schema
+    previous = store.check(source, cfg.overwrite)  # None: a new output, or --overwrite
+    record = {"fingerprint": cfg.fingerprint(), "config": cfg.to_dict(),
+              "schema": schema.to_string(show_schema_metadata=False),
+              "input": input_identity(source, cfg.id_column, (previous or {}).get("input"))}
+    if previous is not None:
+        store.check_resume(previous, record)
+    return CheckedJob(source, store, schema, record, resume=previous is not None)
 
 
 def _init_ray(cfg: GenerateConfig) -> bool:
@@ -117,10 +182,12 @@ def _init_ray(cfg: GenerateConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    quiet = {"log_to_driver": False, "configure_logging": False}
+    # The workers' own output (model loading bars, warnings) reaches this driver only with --verbose.
+    quiet = {"log_to_driver": cfg.verbose, "configure_logging": False}
     if cfg.address or os.environ.get("RAY_ADDRESS"):
         try:
-            ray.init(address=cfg.address or os.environ["RAY_ADDRESS"], **quiet)
+            with _ray_logger_quiet(not cfg.verbose):
+                ray.init(address=cfg.address or os.environ["RAY_ADDRESS"], **quiet)
         except Exception as exc:  # noqa: BLE001
             raise JobError(f"cannot connect to Ray at {cfg.address or os.environ['RAY_ADDRESS']!r}: {str(exc).splitlines()[0]}") from None
         return True
@@ -130,44 +197,97 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     # a resumed run behind the groups, now asks for none: raysd.jobs.pipeline._repartition_needs_no_cpu.)
     need = int(math.ceil(cfg.replicas * sum(cfg.actor_cpus)))
     try:
-        start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
+        with _ray_logger_quiet(not cfg.verbose):
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
     except LocalRayNotLoopback as exc:
         raise JobError(str(exc)) from None
     return True
 
 
 @contextlib.contextmanager
-def _data_context(quiet: bool):
-    """The job's Ray Data settings, restored afterwards (tests run several jobs in one process)."""
+def _ray_logger_quiet(quiet: bool):
+    """Ray's Python warnings while it starts (e.g. "Token authentication is enabled for this Ray
+    cluster"), shown with --verbose only: a job's output is raysd's lines."""
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    if quiet:
+        ray_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ray_logger.setLevel(level)
+
+
+# Ray Data's console messages per output mode: --verbose all of them (the execution plan, the
+# operator table), the default its warnings and errors, --quiet none (raysd prints a failure itself).
+_DATA_CONSOLE_LEVEL = {"verbose": None, "default": logging.WARNING, "quiet": logging.CRITICAL + 1}
+
+
+@contextlib.contextmanager
+def _data_context(quiet: bool, verbose: bool = False):
+    """The job's Ray Data settings, restored afterwards (tests run several jobs in one process):
+    blocks in input order; Ray Data's own progress (a table of its operators every few seconds
+    when stderr is not a terminal, progress bars when it is) only with --verbose (raysd prints its
+    own line, `_Progress`), and its console messages as _DATA_CONSOLE_LEVEL says. Its log file
+    (ray-data.log in the session's logs) keeps everything."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
     saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars)
-    data_logger = logging.getLogger("ray.data")
-    level = data_logger.level
     ctx.execution_options.preserve_order = True  # blocks reach each stage in input order (ids, parts)
-    ctx.enable_progress_bars = not quiet
-    if quiet:
-        data_logger.setLevel(logging.WARNING)
+    ctx.enable_progress_bars = verbose
+    level = _DATA_CONSOLE_LEVEL["quiet" if quiet else "verbose" if verbose else "default"]
+    consoles = [h for h in logging.getLogger("ray.data").handlers if h.name == "console"]  # ray.data's logging config
+    console_levels = [h.level for h in consoles]
+    # Its "Progress bars disabled. To enable, ..." warning, for the progress it was told to leave off.
+    progress_logger = logging.getLogger("ray.data._internal.progress")
+    progress_level = progress_logger.level
+    if level is not None:
+        for h in consoles:
+            h.setLevel(level)
+        progress_logger.setLevel(logging.ERROR)
     try:
         yield ctx
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
-        data_logger.setLevel(level)
+        for h, old in zip(consoles, console_levels):
+            h.setLevel(old)
+        progress_logger.setLevel(progress_level)
 
 
-def progress_text(t: dict, elapsed: float) -> str:
-    """The progress line for JobStats totals `t`, `elapsed` seconds into the job. Until the first
-    row is generated, written or found already there, the job is starting (the replicas load
-    their models when the first batch reaches them) and the line says so rather than 0 tok/s."""
+def progress_text(t: dict, elapsed: float, eta_s: float | None = None) -> str:
+    """The progress line for JobStats totals `t`, `elapsed` seconds into the job, `eta_s` the
+    estimated seconds left (None: not known yet). Until the first row is generated, written or
+    found already there, the job is starting (the replicas load their models when the first
+    batch reaches them) and the line says so rather than 0 tok/s."""
     if not any(t.get(k) for k in ("rows_generated", "rows_written", "rows_skipped")):
         read = int(t.get("rows_read", 0))
         return (f"raysd generate: starting ({elapsed:.0f}s): Ray is up; loading the models, generating the "
                 f"first batch{f' ({read} rows read)' if read else ''}")
     rate = f"{t['accepted'] / t['drafted']:.3f}" if t.get("drafted") else "n/a"
+    eta = "" if eta_s is None else f"; ETA {_duration(eta_s)}"
     return (f"raysd generate: {int(t.get('rows_generated', 0))} rows generated, {int(t.get('rows_written', 0))} written, "
             f"{int(t.get('rows_skipped', 0))} already there; {t.get('tokens', 0) / max(elapsed, 1e-9):.1f} tok/s, "
-            f"acceptance {rate}" + _breakdown_text(t))
+            f"acceptance {rate}" + eta + _breakdown_text(t))
+
+
+def short_progress_text(t: dict, elapsed: float, todo: int | None, eta_s: float | None) -> str:
+    """The line a terminal shows, rewritten in place: rows done (of `todo`, this run's output rows,
+    when known), tokens/s, acceptance, ETA."""
+    if not any(t.get(k) for k in ("rows_generated", "rows_written", "rows_skipped")):
+        return progress_text(t, elapsed)
+    done = int(t.get("rows_generated", 0))
+    rate = f"{t['accepted'] / t['drafted']:.3f}" if t.get("drafted") else "n/a"
+    return (f"raysd generate: {done}{'' if todo is None else f'/{todo}'} rows, "
+            f"{t.get('tokens', 0) / max(elapsed, 1e-9):.1f} tok/s, acceptance {rate}, "
+            f"ETA {'n/a' if eta_s is None else _duration(eta_s)}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _breakdown_text(t: dict) -> str:
@@ -177,42 +297,125 @@ def _breakdown_text(t: dict) -> str:
 
 
 class _Progress:
-    """One line on stderr at once, then every few seconds: rows generated and written, tokens/s, acceptance."""
+    """raysd's progress on stderr (none with --quiet). On a terminal: one line rewritten in place
+    (carriage return) every _TTY_EVERY_S: rows done, tokens/s, acceptance, ETA. Otherwise (a file, a
+    pipe, a job under `ray job submit`): a new full line at once, then every _PROGRESS_EVERY_S. With
+    --verbose Ray Data draws its own progress on the terminal too, so raysd writes plain lines.
 
-    def __init__(self, stats, started: float, quiet: bool):
-        self.stats, self.started = stats, started
+    `todo`: the output rows this run has to generate (the input's rows x --num-samples, less those
+    already in the output; None when a `num_samples` column makes it unknown): the ETA's basis,
+    at the rate rows have been generated since the first one."""
+
+    def __init__(self, stats, started: float, quiet: bool, todo: int | None = None, stream=None,
+                 verbose: bool = False):
+        self.stats, self.started, self.todo = stats, started, todo
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = _isatty(self.stream) and not verbose
         self.stop = threading.Event()
         self.thread = None
+        self._drawn = False  # a terminal line is showing (close() ends it)
         if not quiet:
             self.thread = threading.Thread(target=self._run, daemon=True)
             self.thread.start()
 
-    def line(self) -> str:
+    def totals(self) -> dict:
         import ray
 
-        return progress_text(ray.get(self.stats.get.remote(), timeout=30), time.perf_counter() - self.started)
+        return ray.get(self.stats.get.remote(), timeout=30)
+
+    def _eta(self, t: dict) -> float | None:
+        """Seconds left at the rate rows have been generated since the first one finished."""
+        done, first = t.get("rows_generated", 0), t.get("first_row_at")
+        since = time.time() - first if first is not None else 0.0
+        if self.todo is None or not done or since < 1.0:
+            return None
+        return max(0.0, self.todo - done) / (done / since)
+
+    def line(self) -> str:
+        t = self.totals()
+        elapsed, eta = time.perf_counter() - self.started, self._eta(t)
+        if self.tty:
+            return short_progress_text(t, elapsed, self.todo, eta)
+        return progress_text(t, elapsed, eta)
 
     def _run(self) -> None:
-        while True:  # one line at once (Ray is up by now), then one every _PROGRESS_EVERY_S
+        every = _TTY_EVERY_S if self.tty else _PROGRESS_EVERY_S
+        while True:  # one line at once (Ray is up by now), then one every `every`
             try:
-                print(self.line(), file=sys.stderr, flush=True)
+                self._write(self.line())
             except Exception:  # noqa: BLE001 - progress is best effort
                 pass
-            if self.stop.wait(_PROGRESS_EVERY_S):
+            if self.stop.wait(every):
                 return
+
+    def _write(self, line: str) -> None:
+        if self.tty:  # rewrite the line in place, cut to the terminal's width (a wrapped line cannot be)
+            width = shutil.get_terminal_size((120, 24)).columns
+            self.stream.write("\r" + line[: max(20, width - 1)] + "\x1b[K")
+            self._drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+        if self._drawn:  # end the terminal's line, so what follows starts on its own
+            self.stream.write("\n")
+            self.stream.flush()
 
 
-def generate(cfg: GenerateConfig) -> JobSummary:
-    """Run a generation job; returns its summary (also written to `<output>/_summary.json`)."""
-    source, store, schema = check_job(cfg)
-    job = {"fingerprint": cfg.fingerprint(), "config": cfg.to_dict(), "schema": schema.to_string(show_schema_metadata=False)}
-    store.prepare(job, cfg.overwrite)  # checks a resumed output belongs to the same job
-    done = store.done_ids(cfg.id_column)  # the output's id column only
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class WallClock:
+    """A run's wall time on the driver's clock, as consecutive phases: each `mark(name)` closes the
+    phase that ran since the previous mark, so the phases add up to the wall, nothing left out."""
+
+    def __init__(self, start: float | None = None):
+        self.start = self.last = time.time() if start is None else start
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        at = time.time() if at is None else min(max(at, self.last), time.time())
+        self.phases[name] = round(self.phases.get(name, 0.0) + at - self.last, 3)
+        self.last = at
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+def process_start_time() -> float | None:
+    """When this process started (wall clock), from /proc on Linux; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary:
+    """Run a generation job; returns its summary (also written to `<output>/_summary.json`).
+
+    `started_at` (wall clock): when the run began, if before this call (the CLI passes its
+    process's start, so that interpreter start and imports count as the phase `process`)."""
+    clock = WallClock(started_at)
+    if started_at is not None:
+        clock.mark("process")
+    job = check_job(cfg)
+    source, store, schema = job.source, job.store, job.schema
+    store.prepare(job.record, cfg.overwrite)  # --overwrite deletes only what raysd wrote there
+    done = store.done_samples(cfg.id_column)  # the output's id and sample_index columns only
+    clock.mark("check")
     started = time.perf_counter()
 
     import ray
@@ -221,36 +424,52 @@ def generate(cfg: GenerateConfig) -> JobSummary:
 
     if not cfg.quiet:
         print("raysd generate: starting Ray", file=sys.stderr, flush=True)  # the models load after it
+    # The output rows this run has to generate, for the progress line's ETA (unknown when rows say their own N).
+    todo = None
+    if "num_samples" not in source.schema.names:
+        todo = max(0, job.record["input"]["rows"] * cfg.num_samples - sum(len(s) for s in done.values()))
     # `--num-cpus-per-actor auto`: the machine's cores when raysd starts the Ray here, else 1 per actor.
     starts_local = not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
     cfg = cfg.resolve_actor_cpus(os.cpu_count() if starts_local else None)
     we_started_ray = _init_ray(cfg)
     stats = progress = job_key = None
-    result: dict = {}
     try:
         stats = start_job_stats()  # on the driver's node: no worker node's loss takes it (issue 22)
         job_key = uuid.uuid4().hex  # names the job's records in the GCS (pipeline.release_job)
         sink = PartsSink(cfg.output, schema, cfg.rows_per_file, local=store.local, stats=stats)
-
-        def finish(totals: dict) -> None:  # PartsSink.on_write_complete, on the driver
-            result["summary"] = _summary(cfg, store, totals, live_totals(stats), time.perf_counter() - started)
-            store.write_summary(result["summary"].to_dict())
-
-        sink.finish = finish
-        progress = _Progress(stats, started, cfg.quiet)
-        with _data_context(cfg.quiet):
+        progress = _Progress(stats, started, cfg.quiet, todo, verbose=cfg.verbose)
+        clock.mark("ray_start")
+        with _data_context(cfg.quiet, cfg.verbose):
             ds = build_dataset(source, cfg, schema, done, stats, job_key)
             if in_process(store.fs):
                 write_on_driver(ds, sink)  # Ray workers cannot see memory://
             else:
                 ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_TASK_CPUS})
+        live = live_totals(stats)
+        _mark_pipeline(clock, live)
     finally:
         if progress is not None:
             progress.close()
         _release(stats, job_key)
         if we_started_ray:
             ray.shutdown()
-    return result["summary"]
+    clock.mark("shutdown")
+    summary = _summary(cfg, store, sink.totals, live, clock)
+    store.write_summary(summary.to_dict())
+    return summary
+
+
+def _mark_pipeline(clock: WallClock, live: dict) -> None:
+    """The pipeline's part of the wall: until the replicas' first step ended (Ray Data's actors,
+    the models, the first block's prompts), the steps, and what followed the last step (its
+    block's last rows, the last write)."""
+    first, last = live.get("first_step_at"), live.get("last_step_at")
+    if first is None or last is None:  # no step ran (every row was there already, or all were errors)
+        clock.mark("pipeline")
+        return
+    clock.mark("pipeline_start", at=first)
+    clock.mark("generating", at=last)
+    clock.mark("pipeline_end")
 
 
 def live_totals(stats) -> dict:
@@ -279,44 +498,43 @@ def _release(stats, job_key: str | None) -> None:
             pass
 
 
-def _tree_summary(cfg: GenerateConfig, totals: dict) -> dict:
-    """The tree statistics of the summary, pooled over this run's rows like `mean_acceptance_length`
-    (from the parts' write results); null for a chain job."""
-    if not cfg.tree_budget:
-        return {}
-    steps = totals["steps"]
-    return {"tree_budget": cfg.tree_budget,
-            "mean_nodes_verified": totals["drafted"] / steps if steps else None,
-            "mean_accepted_depth": totals["accepted"] / steps if steps else None,
-            "num_branch_accepts": totals.get("branch_accepts", 0)}
-
-
-def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, wall: float) -> JobSummary:
+def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, clock: WallClock) -> JobSummary:
+    """The whole output's figures from its parts on disk; this run's from its parts' write results
+    (`totals`), the job's live counts and its wall clock (the summary's own counting included)."""
     from raysd.jobs.pipeline import occupancy, time_breakdown
+
+    disk = store.totals()
+    clock.mark("summary")
+    wall = clock.total
 
     shorter = min(live.get("draft_busy_s", 0.0), live.get("target_busy_s", 0.0))
     # Only a draft model has work to overlap (a model-free drafter runs in one micro-batch).
     overlap = (live["draft_busy_s"] + live["target_busy_s"] - live["wall_s"]) / shorter if shorter > 0 and cfg.draft_is_model else None
-    rows, reasons = store.value_counts("finish_reason")
-    return JobSummary(
-        output=cfg.output,
-        rows=rows,
-        rows_this_run=totals["rows"],
+    run = RunSummary(
+        rows=totals["rows"],
         rows_skipped=int(live.get("rows_skipped", 0)),
         rows_failed=totals["failed"],
         generated_tokens=totals["tokens"],
         wall_s=wall,
         tokens_per_s=totals["tokens"] / wall if wall > 0 else 0.0,
-        draft_acceptance_rate=totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
-        mean_acceptance_length=1 + totals["accepted"] / totals["steps"] if totals["steps"] else None,
         overlap_efficiency=overlap,
-        **_tree_summary(cfg, totals),
+        **pooled(totals, cfg.tree_budget),
+        replicas=cfg.replicas,
+        occupancy=occupancy(live),
+        time_breakdown={"wall": dict(clock.phases), **time_breakdown(live)},
+        draft_sources={k[len("suffix_"):]: int(v) for k, v in live.items() if k.startswith("suffix_")} or None,
+        stats_partial=bool(live.get("stats_restarted") or live.get("stats_lost")),
+    )
+    return JobSummary(
+        output=cfg.output,
+        rows=disk["rows"],
+        rows_failed=disk["failed"],
+        generated_tokens=disk["tokens"],
+        latest_run=run,
+        **pooled(disk, cfg.tree_budget),
+        tree_budget=cfg.tree_budget,
         target_model=cfg.target,
         draft_model=cfg.draft,
         num_speculative_tokens=cfg.effective_num_speculative_tokens,
-        replicas=cfg.replicas,
-        finish_reasons=reasons,
-        occupancy=occupancy(live),
-        time_breakdown=time_breakdown(live),
-        stats_partial=bool(live.get("stats_restarted") or live.get("stats_lost")),
+        finish_reasons=disk["finish_reasons"],
     )

@@ -1,4 +1,5 @@
-"""The output schema of `raysd generate`: one Parquet row per input row.
+"""The output schema of `raysd generate`: one Parquet row per sample of each input row (one per
+row unless --num-samples or a `num_samples` column asks for more), keyed (id, sample_index).
 
 Column order: the id column, the input's other columns (passed through with their
 input types), then GENERATED_FIELDS. docs/jobs.md documents every column.
@@ -10,9 +11,17 @@ import pyarrow as pa
 
 FINISH_REASONS = ("stop", "length", "error")
 
+# One entry of `top_logprobs`: a token id and the target's log-probability of it.
+TOP_LOGPROB = pa.struct([pa.field("id", pa.int32(), nullable=False), pa.field("logprob", pa.float64(), nullable=False)])
+
 GENERATED_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("sample_index", pa.int32(), nullable=False),  # 0..N-1: which of the prompt's N samples
     pa.field("generated_text", pa.string()),  # null when the model has no tokenizer, or on error
     pa.field("generated_token_ids", pa.list_(pa.int32()), nullable=False),
+    # --logprobs: the target's log-probability of each generated token; null without it, or on error.
+    pa.field("generated_logprobs", pa.list_(pa.float64())),
+    # --top-logprobs N: per generated token, the N most likely (id, logprob); null without it.
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     pa.field("num_prompt_tokens", pa.int32(), nullable=False),
     pa.field("num_generated_tokens", pa.int32(), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),  # stop | length | error
@@ -34,6 +43,8 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     # Provenance.
     pa.field("target_model", pa.string(), nullable=False),
     pa.field("draft_model", pa.string(), nullable=False),  # a model, "ngram" or "none"
+    pa.field("target_dtype", pa.string()),  # the dtype the target ran in ("auto" resolved); null on an error row
+    pa.field("draft_dtype", pa.string()),  # the draft model's; null without one (ngram, suffix, none) or on error
     pa.field("num_speculative_tokens", pa.int32(), nullable=False),
     pa.field("acceptance", pa.string(), nullable=False),  # the verification rule: exact, or relaxed:LAMBDA (lossy)
     pa.field("tree_budget", pa.int32(), nullable=False),  # P: draft tree nodes per step (0: a chain of K drafts)
@@ -43,9 +54,24 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
 )
 GENERATED_NAMES = frozenset(f.name for f in GENERATED_FIELDS)
 
-# Optional per-row input columns that override the job's value for that row. An
-# input `seed` column is an override too; its value is reported in the output `seed`.
-OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "seed")
+# Optional per-row input columns that override the job's value for that row (a null keeps it;
+# `stop` adds the row's stop strings to the job's). An input `seed` column is an override too;
+# its value is reported in the output `seed` (of sample 0; the others derive from it).
+OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_samples")
+
+
+# The most samples of one row: a replica holds a block's samples (requests, outputs) at once.
+MAX_NUM_SAMPLES = 1024
+
+
+def num_samples_of(value, default: int) -> tuple[int, str | None]:
+    """(N, None) for a row's `num_samples` value (None: the job's `default`), or (1, why not): a
+    bad value is one error row, sample 0. The id stage (resume) and the replicas count alike."""
+    if value is None:
+        return default, None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_SAMPLES:
+        return 1, f"num_samples must be an integer in 1..{MAX_NUM_SAMPLES}, got {value!r}"
+    return value, None
 
 
 def output_schema(id_field: pa.Field, passthrough: list[pa.Field]) -> pa.Schema:
@@ -64,3 +90,25 @@ def passthrough_fields(input_schema: pa.Schema, id_column: str) -> list[pa.Field
 def reserved_clashes(input_schema: pa.Schema) -> list[str]:
     """Input columns whose names the output owns (other than the `seed` override)."""
     return [f.name for f in input_schema if f.name in GENERATED_NAMES and f.name != "seed"]
+
+
+# The summary's counts and the output columns they add up (`row_totals`).
+SUMMED_COLUMNS = {"tokens": "num_generated_tokens", "drafted": "num_draft_tokens", "accepted": "num_accepted_draft_tokens",
+                  "steps": "num_spec_steps", "branch_accepts": "num_branch_accepts"}
+TOTALS_COLUMNS = ("finish_reason", *SUMMED_COLUMNS.values())
+
+
+def row_totals(table: pa.Table | None) -> dict:
+    """{rows, failed (error rows), tokens, drafted, accepted, steps, branch_accepts} over output rows
+    (all 0 for None). A column a part lacks (written before it existed) adds 0."""
+    totals = dict.fromkeys(("rows", "failed", *SUMMED_COLUMNS), 0)
+    if table is None or not table.num_rows:
+        return totals
+    import pyarrow.compute as pc
+
+    totals["rows"] = table.num_rows
+    totals["failed"] = int(pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0)
+    for key, name in SUMMED_COLUMNS.items():
+        if name in table.column_names:
+            totals[key] = int(pc.sum(table.column(name)).as_py() or 0)
+    return totals

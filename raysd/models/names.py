@@ -15,10 +15,13 @@ DEFAULT_EAGLE = "smollm2-135m-instruct-eagle"  # its EAGLE feature draft, shippe
 
 # The draft kinds, and how each is named and loaded. One place: the jobs layer, the actors and
 # the CLI ask `draft_kind`; the engine's drafters (raysd.engine.drafters) implement them.
-NO_DRAFT, NGRAM = "none", "ngram"
+NO_DRAFT, NGRAM, SUFFIX = "none", "ngram", "suffix"
+MODEL_FREE = (NO_DRAFT, NGRAM, SUFFIX)  # --draft values naming no model
 DRAFT_KINDS = {
     "none": "no drafter: plain autoregressive decoding through the same engine (`--draft none`)",
     "ngram": "prompt lookup in the row's own tokens, no model (`--draft ngram`)",
+    "suffix": "suffix decoding over the row's own tokens and every row the replica has finished, no model "
+              "(`--draft suffix`, raysd.engine.suffix)",
     "model": "a smaller causal LM, by Hugging Face id or path, loaded by `load_model`",
     "layers": "a raysd distilled draft (`raysd distill --kind layers`): a directory with raysd_draft.json, "
               "or DEFAULT_DRAFT; its own layers on the target's embedding and head (raysd.models.layer_draft)",
@@ -30,11 +33,15 @@ DRAFT_KINDS = {
 EAGLE_CONFIG_FILE = "raysd_eagle.json"  # in an EAGLE draft's directory (raysd.models.eagle_draft)
 DRAFT_CONFIG_FILE = "raysd_draft.json"  # in a distilled draft's directory (raysd.models.layer_draft)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # ModelSpec.dtype; raysd.models.loading maps them to torch dtypes
+# "auto": resolved where the model loads (raysd.models.loading.resolve_dtype): bfloat16 on a CUDA
+# device (float16 if the GPU lacks bf16), float32 on the CPU.
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPE_NAMES)  # what --target-dtype / --draft-dtype / ModelSpec.dtype take
 
 
 def draft_kind(name: str) -> str:
     """Which of DRAFT_KINDS a `--draft` value names (no file is read beyond a directory check)."""
-    if name in (NO_DRAFT, NGRAM):
+    if name in MODEL_FREE:
         return name
     if name == DEFAULT_EAGLE or (Path(name).expanduser() / EAGLE_CONFIG_FILE).is_file():
         return "eagle"

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from raysd.models.loading import output_vocab_size
-from raysd.models.runners import Runner, make_runner
+from raysd.models.runner import Runner, make_runner
 
 
 def _sync(device: torch.device) -> None:
@@ -62,7 +62,7 @@ def _prefilled_runner(model, batch_size: int, context: int, vocab: int, kind: st
 def time_forward(model, batch_size: int, ks: Sequence[int], context: int = 128, reps: int = 3,
                  runner: str = "auto", linear_kernels: str = "auto") -> dict[int, float]:
     """{K: seconds of one forward of K + 1 tokens per row on batch_size rows}, through the runner
-    the engine would run the model on (`runner`: raysd.models.runners.make_runner's kind): the
+    the engine would run the model on (`runner`: raysd.models.runner.make_runner's kind): the
     static runner's verify and Hugging Face's DynamicCache cost differently per extra token."""
     vocab = output_vocab_size(model)
     runner = _prefilled_runner(model, batch_size, context, vocab, runner, linear_kernels=linear_kernels)

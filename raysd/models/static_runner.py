@@ -1,6 +1,6 @@
 """A runner over preallocated key/value buffers with one slot per row: the fast path's cache.
 
-Same interface as `raysd.models.runner.ModelRunner` (rows, ragged right-aligned chunks,
+Same interface as `raysd.models.dynamic_runner.DynamicRunner` (rows, ragged right-aligned chunks,
 `rollback`, `select`, `add_rows`, `add_prefilled`), but laid out as gpt-fast's static
 cache, with a batch:
 
@@ -21,7 +21,7 @@ cache, with a batch:
 Nothing in `forward` or `rollback` reads a device value on the host when the caller
 passes `max_logits` (and, to keep W tight, `max_length` to `rollback`). For decoder
 models whose attention takes a 4D mask and a Cache (Llama, Qwen2, Mistral, SmolLM2:
-`supports_static`); other architectures keep ModelRunner (`raysd.models.runners`).
+`supports_static`); other architectures keep DynamicRunner (`raysd.models.runner`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
 from raysd.models.compat import cache_keyword
+from raysd.models.dynamic_runner import right_aligned
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
-from raysd.models.runner import right_aligned
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
@@ -49,7 +49,7 @@ STATIC_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})  # tested: tests/m
 
 
 def supports_static(model: PreTrainedModel) -> bool:
-    """Whether StaticModelRunner can run this model: an architecture whose attention reads
+    """Whether StaticRunner can run this model: an architecture whose attention reads
     keys/values from `Cache.update` and takes a 4D mask, with sdpa or eager attention."""
     impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     return model.config.model_type in STATIC_MODEL_TYPES and impl in ("sdpa", "eager")
@@ -124,7 +124,7 @@ class _SlotCache(Cache):
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
 
-class StaticModelRunner:
+class StaticRunner:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, max_cache_len: int = 256,
                  checks: bool = False, compile: bool = False, width_bucket: int = 64, linear_kernels: str = "auto"):
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
@@ -133,8 +133,8 @@ class StaticModelRunner:
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU)."""
         if not supports_static(model):
             impl = getattr(model.config, "_attn_implementation", None)
-            raise ValueError(f"StaticModelRunner supports {sorted(STATIC_MODEL_TYPES)} with sdpa/eager attention, "
-                             f"not {model.config.model_type!r} with {impl!r}; use ModelRunner")
+            raise ValueError(f"StaticRunner supports {sorted(STATIC_MODEL_TYPES)} with sdpa/eager attention, "
+                             f"not {model.config.model_type!r} with {impl!r}; use DynamicRunner")
         assert max_cache_len >= 2 and width_bucket >= 1
         self.model = model
         self.device = next(model.parameters()).device
@@ -167,7 +167,7 @@ class StaticModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
                 max_logits: int | None = None) -> torch.Tensor:
-        """As ModelRunner.forward. `max_logits` = max(num_logits) when the caller knows it on
+        """As DynamicRunner.forward. `max_logits` = max(num_logits) when the caller knows it on
         the host (saves a synchronisation); otherwise it is read from the device."""
         assert chunks.shape[0] == self.num_rows
         n = max_logits if max_logits is not None else int(num_logits.max())
@@ -320,17 +320,31 @@ class StaticModelRunner:
         assert len(set(rows)) == len(rows) and all(0 <= r < self.num_rows for r in rows)
         moved = [(i, r) for i, r in enumerate(rows) if i != r]
         if moved:
-            dst = torch.tensor([i for i, _ in moved], device=self.device)
-            src = torch.tensor([r for _, r in moved], device=self.device)
-            used = min(self._bound, self.max_cache_len)
-            for layer in self._layers():
-                for buf in (layer.keys, layer.values):
-                    head = buf[:, :, :used]
-                    head.index_copy_(0, dst, head.index_select(0, src))
-            self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
+            self._copy_rows(torch.tensor([r for _, r in moved], device=self.device),
+                            torch.tensor([i for i, _ in moved], device=self.device))
         self._num_rows = len(rows)
         if not rows:
             self._bound = 0
+
+    @torch.inference_mode()
+    def fork(self, rows: Sequence[int]) -> None:
+        """Append copies of the given rows (their cached keys, values and lengths) in the next
+        slots: rows that share a prompt are prefilled once (CacheRows.add_rows)."""
+        start = self.num_rows
+        self.add_rows(len(rows))
+        if rows:
+            self._copy_rows(torch.tensor([int(r) for r in rows], device=self.device),
+                            torch.arange(start, start + len(rows), device=self.device))
+
+    def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row dst[i] of every layer's keys and values (up to the longest row) and of the lengths
+        becomes a copy of row src[i]."""
+        used = min(self._bound, self.max_cache_len)
+        for layer in self._layers():
+            for buf in (layer.keys, layer.values):
+                head = buf[:, :, :used]
+                head.index_copy_(0, dst, head.index_select(0, src))
+        self._lengths.index_copy_(0, dst, self._lengths.index_select(0, src))
 
     @torch.inference_mode()
     def add_rows(self, n: int) -> None:
@@ -394,7 +408,7 @@ class StaticModelRunner:
 
 
 class CudaGraphStep:
-    """One StaticModelRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph.
+    """One StaticRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph.
 
     Call it like `runner.forward(chunks, chunk_valid, num_logits)`: the inputs are copied into
     static tensors, the graph is replayed, and the logits are returned (a copy). Valid while
@@ -404,7 +418,7 @@ class CudaGraphStep:
     refuses to run once a row outgrows it. CUDA only.
     """
 
-    def __init__(self, runner: StaticModelRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2):
+    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if not runner._layers():

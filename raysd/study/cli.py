@@ -18,8 +18,7 @@ from pathlib import Path
 
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
 
-
-ASSIST = "+ngram"  # `--draft MODEL+ngram`: n-gram lookup drafts for the draft model MODEL (raysd.engine.hierarchy)
+ASSIST = "+ngram"  # `--draft MODEL+ngram`: n-gram lookup drafts for the draft model MODEL (raysd.engine.draft_assist)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -79,15 +78,15 @@ def run(args: argparse.Namespace) -> int:
             continue
         if name == "ngram":
             drafters[name] = lambda: NgramDrafter(vocab, args.device)
-        elif name.endswith(ASSIST):  # three levels: n-gram lookup drafts for the draft model (docs/hierarchy.md)
-            from raysd.engine.adaptive import AdaptiveConfig
-            from raysd.engine.hierarchy import AssistedDraftModelDrafter, profile_inner_costs
+        elif name.endswith(ASSIST):  # three levels: n-gram lookup drafts for the draft model (docs/draft_assist.md)
+            from raysd.core.speculation import AdaptiveConfig
+            from raysd.engine.draft_assist import DraftAssistDrafter, profile_assist_costs
 
             model = load_model(ModelSpec(name[: -len(ASSIST)], args.dtype, args.device))
             with torch.inference_mode():  # the inner k by goodput on the draft model's own step costs
-                inner = AdaptiveConfig(profile_inner_costs(model, 4, args.batch_sizes, args.profile_context, args.profile_reps))
-            drafters[name] = lambda model=model, name=name, inner=inner: AssistedDraftModelDrafter(
-                model, vocab, name=name, inner_adaptive=inner)
+                inner = AdaptiveConfig(profile_assist_costs(model, 4, args.batch_sizes, args.profile_context, args.profile_reps))
+            drafters[name] = lambda model=model, name=name, draft_assist=inner: DraftAssistDrafter(
+                model, vocab, name=name, assist_adaptive=inner)
         else:
             model = load_model(ModelSpec(name, args.dtype, args.device))
             drafters[name] = lambda model=model, name=name: DraftModelDrafter(model, vocab, name=name)

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from raysd.core import theory
-from raysd.core.acceptance import parse_acceptance
 from raysd.core.sampling import SamplingParams
-from raysd.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, NoDrafter
+from raysd.core.speculation import Acceptance, SpeculationConfig
+from raysd.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import GenerationResult, Request
+from raysd.engine.requests import GenerationResult, Request
 from raysd.models.profile import median_time, time_forward
 from raysd.study.prompts import StudyPrompt
 
@@ -50,7 +50,9 @@ class StudyConfig:
     acceptance: str = "exact"  # the drafters' rule: "exact" or "relaxed:LAMBDA" (lossy; the baseline drafts nothing)
 
     def __post_init__(self) -> None:
-        parse_acceptance(self.acceptance)  # a one-line ValueError for a bad rule
+        rule = Acceptance.parse(self.acceptance)  # a one-line ValueError for a bad rule
+        if rule.synthetic_rate is not None:
+            raise ValueError("a study compares exact or relaxed rules, not a synthetic acceptance rate")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch_sizes must be non-empty and >= 1, got {self.batch_sizes}")
         if not self.ks or min(self.ks) < 0 or max(self.ks) > 64:
@@ -130,7 +132,8 @@ def time_ngram(batch_size: int, vocab: int, context: int = 128, reps: int = 3) -
 def run_requests(target, drafter: Drafter, prompts: Sequence[StudyPrompt], k: int, batch_size: int,
                  params: SamplingParams, eos: Sequence[int], acceptance: str = "exact") -> tuple[list[GenerationResult], SpecEngine]:
     """Every prompt once, cycled up to batch_size requests so that the batch is full."""
-    engine = SpecEngine(target, drafter, EngineConfig(k, batch_size, tuple(eos), acceptance=acceptance))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=tuple(eos), acceptance=acceptance)
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=batch_size))
     chosen = list(itertools.islice(itertools.cycle(prompts), max(len(prompts), batch_size)))
     reqs = [Request(i, p.token_ids, replace(params, seed=i)) for i, p in enumerate(chosen)]
     return engine.generate(reqs), engine
@@ -170,7 +173,7 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
         for name, make in drafters.items():
             d = make()
             if isinstance(d, DraftModelDrafter):
-                t_draft[name, B] = time_forward(d.seqs.runner.model, B, [0], cfg.profile_context, cfg.profile_reps)[0]
+                t_draft[name, B] = time_forward(d.rows.runner.model, B, [0], cfg.profile_context, cfg.profile_reps)[0]
             elif isinstance(d, NgramDrafter):
                 t_draft[name, B] = time_ngram(B, vocab, cfg.profile_context, cfg.profile_reps)
             else:
@@ -195,7 +198,7 @@ def run_study(target, drafters: dict[str, Callable[[], Drafter]], prompts: Seque
         tm = engine.timings
         tps = pools["all"].tokens / tm.wall_s
         measured[name, k, B] = {"pools": pools, "tokens_per_s": tps, "wall_s": tm.wall_s,
-                                "t_target_step_s": tm.target_s / tm.steps, "t_draft_step_s": tm.draft_s / tm.steps}
+                                "t_target_step_s": tm.verify_s / tm.steps, "t_draft_step_s": tm.draft_s / tm.steps}
         if name == BASELINE and not entropy:
             entropy = entropy_by_task(target, prompts, results[: len(prompts)], cfg.temperature)
         _log(f"measured {name} K={k} B={B}: {tps:.1f} tok/s, mean acceptance length "
@@ -247,7 +250,7 @@ def _front(alpha: float | None, rule: str, rejection_rate: float | None) -> dict
     (the rejection rate (1 - LAMBDA) TV and the output's TV to the target LAMBDA TV, per tested
     position: theory.relaxed_rule_point), the rejection rate measured over the same positions (all
     of the drafter's runs pooled), and the acceptance rate the rule gives, 1 - (1 - LAMBDA) TV."""
-    lam = parse_acceptance(rule) or 0.0
+    lam = Acceptance.parse(rule).relax or 0.0
     cols = dict(acceptance=rule, relax_lambda=lam, tv_target_draft=None,
                 front_rejection_rate=None, front_tv_to_target=None, measured_rejection_rate_task=rejection_rate,
                 alpha_rule=alpha)

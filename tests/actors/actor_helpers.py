@@ -8,10 +8,9 @@ import ray
 import torch
 
 import tests.conftest as conftest
-from tests.conftest import EOS, VOCAB, tiny_model
-from raysd.actors.local import start_local_ray
 from raysd.core.sampling import SamplingParams
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
+from tests.conftest import EOS, VOCAB, tiny_model
 
 # Ray workers cannot import the tests' conftest module; ship tiny_model by value.
 ray.cloudpickle.register_pickle_by_value(conftest)
@@ -19,11 +18,6 @@ ray.cloudpickle.register_pickle_by_value(conftest)
 
 def factory(arch: str = "llama", seed: int = 0, vocab: int = VOCAB):
     return functools.partial(tiny_model, arch, seed, vocab=vocab)
-
-
-def start_ray() -> None:
-    # address="local": never join a cluster some earlier process left recorded in /tmp/ray.
-    start_local_ray(num_cpus=4, log_to_driver=False, configure_logging=False)
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = VOCAB, max_len: int = 10) -> list[list[int]]:

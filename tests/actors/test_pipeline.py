@@ -17,12 +17,13 @@ import torch
 
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
-from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
+from tests.core.test_distribution import chi_square_pvalue
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
@@ -30,8 +31,8 @@ K = 4
 
 
 def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0)) -> SpecCoordinator:
-    cfg = CoordinatorConfig(num_speculative_tokens=k, micro_batch_size=micro_batch_size, eos_token_ids=(EOS,),
-                            draft_resources=CPU, target_resources=CPU)
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
+    cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, draft_resources=CPU, target_resources=CPU)
     return SpecCoordinator(target, draft, cfg)
 
 
@@ -42,7 +43,8 @@ def random_draft():
 
 
 def _engine(drafter, k=K, batch=3, target_seed=0, vocab=VOCAB):
-    return SpecEngine(tiny_model("llama", target_seed, vocab=vocab), drafter, EngineConfig(k, batch, (EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
+    return SpecEngine(tiny_model("llama", target_seed, vocab=vocab), drafter, EngineConfig(speculation, max_batch_size=batch))
 
 
 def _tokens(results):
@@ -164,7 +166,8 @@ def test_top_m_draft_keeps_the_target_distribution():
     assert chi_square_pvalue(first, p) > 1e-4, (first, p * n)  # cells expecting < 5 pooled
     # Exactness through the truncating wrapper: same tokens as the engine with it.
     drafter = DraftModelDrafter(tiny_model("llama", 4, vocab=V), V, draft_top_m=m)
-    engine = SpecEngine(target, drafter, EngineConfig(1, 64, (EOS,))).generate(reqs[:200])
+    speculation = SpeculationConfig(num_speculative_tokens=1, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=64)).generate(reqs[:200])
     assert _tokens(out.results[:200]) == _tokens(engine)
     assert out.report.transfer.sparse_steps == out.report.transfer.steps
 
@@ -199,12 +202,13 @@ def test_auto_speculation_length_through_the_actors(random_draft):
     """Step costs profiled in the actors drive the per-step K; greedy output is unchanged."""
     import dataclasses
 
-    from raysd.engine.adaptive import AdaptiveConfig
+    from raysd.core.speculation import AdaptiveConfig
 
     costs = random_draft.profile_step_costs(K, [1, 3], context=16, reps=1)
     assert costs.k_max == K and all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
     plain = random_draft.config
-    random_draft.config = dataclasses.replace(plain, adaptive=AdaptiveConfig(costs, overlapped=True))
+    adaptive = AdaptiveConfig(costs, overlapped=True)
+    random_draft.config = dataclasses.replace(plain, speculation=dataclasses.replace(plain.speculation, adaptive=adaptive))
     try:
         reqs = requests(random_prompts(6, seed=3), max_new_tokens=10)
         out = random_draft.generate(reqs)
@@ -221,7 +225,7 @@ def test_colocated_steps_per_call_change_nothing_but_the_calls():
     """With the n-gram drafter in the target actor, one call runs several steps (until a row
     finishes), each choosing its K in the actor: tokens, statistics, steps and the controller's
     pooled evidence equal one step per call and the single-process engine's, greedy and seeded."""
-    from raysd.engine.adaptive import AdaptiveConfig, StepCosts
+    from raysd.core.speculation import AdaptiveConfig, StepCosts
 
     # Costs under which drafting pays at the prior's acceptance but not at a low one: K varies by step.
     adaptive = AdaptiveConfig(StepCosts((1, 3), ((1.0, 1.2, 1.4, 1.6, 1.8),) * 2, (0.0, 0.0)), prior_alpha=0.6)
@@ -231,12 +235,14 @@ def test_colocated_steps_per_call_change_nothing_but_the_calls():
              for i, p in enumerate(prompts[4:])]
     runs = {}
     for steps in (1, 8):
-        cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, num_micro_batches=1, eos_token_ids=(EOS,),
-                                target_resources=CPU, adaptive=adaptive, max_steps_per_call=steps)
+        speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), adaptive=adaptive)
+        cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=1, target_resources=CPU, max_steps_per_call=steps)
         with SpecCoordinator(factory("llama", 0), DrafterSpec(None), cfg) as c:
             out = c.generate(reqs)
-            runs[steps] = (out, c.k_controller.overlap_sum, c.k_controller.num_tested_positions)
-    engine = SpecEngine(tiny_model("llama", 0), NgramDrafter(VOCAB), EngineConfig(K, 3, (EOS,), adaptive=adaptive))
+            state = c.controller_state()
+            runs[steps] = (out, state["overlap_sum"], state["num_tested_positions"])
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), adaptive=adaptive)
+    engine = SpecEngine(tiny_model("llama", 0), NgramDrafter(VOCAB), EngineConfig(speculation, max_batch_size=3))
     expected = engine.generate(reqs)
     (one, *pool_one), (many, *pool_many) = runs[1], runs[8]
     for out in (one, many):
@@ -364,14 +370,15 @@ def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner)
     seeded samples equal the single-process engine's on the same runner."""
     prompts = random_prompts(8, seed=6)
     greedy, sampled = greedy_and_sampled(prompts)
-    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=2, eos_token_ids=(EOS,), draft_resources=CPU,
-                            target_resources=CPU, runner=runner)
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
+    cfg = CoordinatorConfig(speculation, micro_batch_size=2, draft_resources=CPU, target_resources=CPU, runner=runner)
     with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner=runner), cfg) as c:
         out = c.generate(greedy + sampled)
     target = tiny_model("llama", 0)
     assert _tokens(out.results[:4]) == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
     engine = SpecEngine(target, DraftModelDrafter(tiny_model("llama", 1), VOCAB, runner=runner),
-                        EngineConfig(K, 3, (EOS,), runner=runner))
+                        EngineConfig(speculation, max_batch_size=3, runner=runner))
     assert _tokens(out.results[4:]) == _tokens(engine.generate(sampled))
 
 
@@ -389,35 +396,6 @@ def test_feature_draft_through_the_actors():
         sampled = requests(random_prompts(6, seed=7), temperature=1.0, max_new_tokens=9)
         engine = _engine(FeatureDrafter(tiny_eagle(0, 3), VOCAB)).generate(sampled)
         assert _tokens(c.generate(sampled).results) == _tokens(engine)
-
-
-def test_steps_that_draft_nothing_skip_the_draft_actor(monkeypatch):
-    """Steps with K = 0 go straight to the target; the draft actor gets their updates with its next
-    call. Under a K schedule mixing 0 and K > 0 the tokens (greedy and seeded sampling) and every
-    row's statistics are those of asking the draft actor every step, and greedy is the target's."""
-    import itertools
-
-    from raysd.actors import coordinator as coordinator_module
-
-    monkeypatch.setattr(coordinator_module, "DRAFT_BACKLOG", 3)  # also travel on their own, in between
-    greedy, sampled = greedy_and_sampled(random_prompts(8, seed=7), max_new_tokens=14)
-    reqs = greedy + sampled
-    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=3, num_micro_batches=1, eos_token_ids=(EOS,),
-                            draft_resources=CPU, target_resources=CPU)
-    runs = {}
-    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
-        for skip in (True, False):
-            schedule = itertools.cycle([0, 0, 3, 0, 0, 0, 0, 2, K])  # one micro-batch: steps run in this order
-            monkeypatch.setattr(c, "_choose_plan", lambda mb, s=schedule: (next(s), 0))
-            monkeypatch.setattr(c, "_skips_draft", lambda k, skip=skip: skip and k == 0)
-            runs[skip] = c.generate(reqs)
-    skipped, asked = runs[True], runs[False]
-    assert _tokens(skipped.results) == _tokens(asked.results)
-    assert [r.stats for r in skipped.results] == [r.stats for r in asked.results]
-    assert asked.report.draft_steps == asked.report.steps
-    assert 0 < skipped.report.draft_steps < skipped.report.steps / 2
-    target = tiny_model("llama", 0)
-    assert _tokens(skipped.results[:len(greedy)]) == [hf_greedy(target, list(r.prompt_token_ids), 14) for r in greedy]
 
 
 def test_plain_decoding_never_asks_the_draft_actor():

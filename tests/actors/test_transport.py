@@ -1,19 +1,23 @@
-"""Proposal encoding, byte accounting and the top-m drafter, without Ray."""
+"""Proposal encoding, byte accounting, the top-m drafter and the actors' step protocol, without Ray."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import VOCAB, tiny_model
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig
-from raysd.actors.model_actors import DrafterSpec, MicroBatchStateLost, MicroBatchUpdate, _MicroBatchStore
+from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor
 from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal, pickled_nbytes
 from raysd.core.sampling import SamplingParams, SamplingTensors
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
-from raysd.engine.rows import Request
-from raysd.engine.step import DraftSide, RowLimits
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.requests import Admission, Request
+from tests.conftest import EOS, VOCAB, tiny_model
 
 
 def _proposal(B=4, K=3, V=50, support=None, seed=0) -> Proposal:
@@ -93,24 +97,33 @@ def test_top_m_drafter_samples_from_its_reported_top_m():
     assert encode_proposal(pt).encoding == "sparse"
 
 
-def test_store_applies_updates_and_detects_lost_state():
-    """A micro-batch's draft side: started fresh by `limits`, then each update forwards the
-    target's decision (tokens kept, rows kept) before new rows join; unknown state is an error."""
-    store = _MicroBatchStore(lambda limits: DraftSide(NgramDrafter(VOCAB), limits, "cpu"))
+def test_the_actors_in_process_follow_the_step_protocol():
+    """A DraftActor and a TargetActor called in process as the coordinator calls them: a fresh
+    micro-batch, then each step's verdict forwarded to the draft with the next call; state the
+    actor lacks is an error; the tokens and statistics are the engine's."""
+    draft = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
+    target = TargetActor(functools.partial(tiny_model, "llama", 0))
     with pytest.raises(MicroBatchStateLost):
-        store.apply(0, MicroBatchUpdate())
-    p = SamplingParams(max_new_tokens=8)
-    limits = RowLimits(num_speculative_tokens=1, max_model_len=64)
-    side = store.apply(0, MicroBatchUpdate(limits, new_rows=((0, Request(0, (1, 2), p)), (1, Request(1, (3,), p)))))
-    side.propose(1)
-    side = store.apply(0, MicroBatchUpdate(kept=((4,), (5, 6)), accepted=(0, 1), keep=(1,),
-                                           new_rows=((2, Request(2, (7, 8), p)),)))
-    assert side.drafter.history == [[3, 5, 6], [7, 8]]
-    assert side.batch.ids == [1, 2] and side.batch.generated.tolist() == [2, 0]
+        draft.propose(StepCall(0))
+    spec = SpeculationConfig(num_speculative_tokens=3, eos_token_ids=(EOS,))
+    g = torch.Generator().manual_seed(3)
+    reqs = [Request(i, torch.randint(3, VOCAB, (3 + i,), generator=g).tolist(),
+                    SamplingParams(temperature=float(i % 2), seed=i, max_new_tokens=4 + 3 * i)) for i in range(4)]
+    call, results, steps = StepCall(0, Admission.of(spec, VOCAB, [512]).spec, None, tuple(enumerate(reqs))), {}, 0
+    while len(results) < len(reqs):
+        proposed = draft.propose(call)
+        verdict, timings = target.step(dataclasses.replace(call, verdict=None), proposed)
+        assert timings.steps == 1 and timings.draft_s == proposed.busy_s > 0
+        results.update(verdict.finished)
+        call, steps = StepCall(0, verdict=dataclasses.replace(verdict, finished=())), steps + 1
+    engine = SpecEngine(tiny_model("llama", 0), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
+                        EngineConfig(spec, max_batch_size=4))
+    expected = engine.generate(reqs)
+    assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in expected]
+    assert [results[i].stats for i in range(4)] == [r.stats for r in expected]
+    assert steps == engine.timings.steps and draft.transfer_stats().steps == steps
     with pytest.raises(ValueError):
-        MicroBatchUpdate(limits, keep=(0,))
-    with pytest.raises(ValueError):
-        MicroBatchUpdate(kept=((4,),), accepted=())
+        StepCall(0, spec, verdict)  # a fresh micro-batch has no verdict to apply
 
 
 def test_config_validation():
@@ -119,7 +132,7 @@ def test_config_validation():
     with pytest.raises(ValueError):
         CoordinatorConfig(placement_strategy="ANYWHERE")
     with pytest.raises(ValueError):
-        CoordinatorConfig(num_speculative_tokens=-1)
+        CoordinatorConfig(SpeculationConfig(num_speculative_tokens=-1))
     with pytest.raises(ValueError):
         DrafterSpec(draft_top_m=4)  # top-m needs a draft model
     with pytest.raises(ValueError):

@@ -1,13 +1,34 @@
-"""Tests for raysd.core.stats.SpecDecodeStats: updates, identities, conventions, validation."""
+"""Tests for raysd.core.stats: BatchStats counts steps (the engine's one counting path),
+SpecDecodeStats reports a row: updates, identities, conventions, validation."""
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raysd.core.stats import SpecDecodeStats
+from raysd.core.stats import BatchStats, SpecDecodeStats
+
+
+class OneRow:
+    """A one-row BatchStats driven step by step, as the engine drives every row."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.batch = BatchStats(num_speculative_tokens)
+        self.batch.add(1)
+
+    def observe(self, drafted: int, accepted: int, overlaps, k: int | None = None) -> None:
+        k = drafted if k is None else k
+        self.batch.observe(np.array([k]), np.array([drafted]), np.array([accepted]), np.array([len(overlaps)]),
+                           np.array([float(sum(overlaps))]))
+
+    def __getattr__(self, name):
+        return getattr(self.batch.row(0), name)
+
+    def state(self) -> dict:
+        return self.batch.row(0).state()
 
 
 def test_observe_updates_every_counter():
-    s = SpecDecodeStats(num_speculative_tokens=3)
+    s = OneRow(num_speculative_tokens=3)
     assert s.acceptance_histogram == [0, 0, 0, 0] and s.accepted_per_position == [0, 0, 0]
     assert s.mean_acceptance_length is None and s.draft_acceptance_rate is None and s.alpha_estimate is None
 
@@ -29,11 +50,11 @@ def test_observe_updates_every_counter():
 
 
 def test_mean_acceptance_length_counts_the_bonus_token():
-    s = SpecDecodeStats(num_speculative_tokens=4)
+    s = OneRow(num_speculative_tokens=4)
     for _ in range(5):
         s.observe(4, 4, [1.0] * 4)
     assert s.mean_acceptance_length == 5.0  # K + 1 when every draft is accepted
-    plain = SpecDecodeStats(num_speculative_tokens=0)
+    plain = OneRow(num_speculative_tokens=0)
     for _ in range(3):
         plain.observe(0, 0, [])
     assert plain.mean_acceptance_length == 1.0  # plain decoding
@@ -43,7 +64,7 @@ def test_mean_acceptance_length_counts_the_bonus_token():
 
 @pytest.mark.parametrize("drafted, accepted", [(2, 3), (5, 1), (-1, 0), (1, -1), (4, 4)])
 def test_invalid_observe_raises_and_leaves_state_unchanged(drafted, accepted):
-    s = SpecDecodeStats(num_speculative_tokens=3)
+    s = OneRow(num_speculative_tokens=3)
     s.observe(3, 1, [0.5, 0.5])
     before = s.state()
     with pytest.raises(ValueError):
@@ -61,8 +82,9 @@ def test_invalid_construction_raises():
 
 
 def test_to_dict_and_state_round_trip():
-    s = SpecDecodeStats(num_speculative_tokens=2)
-    s.observe(2, 1, [0.75, 0.5])
+    row = OneRow(num_speculative_tokens=2)
+    row.observe(2, 1, [0.75, 0.5])
+    s = row.batch.row(0)
     d = s.to_dict()
     assert d == {
         "num_spec_steps": 1, "num_draft_tokens": 2, "num_accepted_draft_tokens": 1,
@@ -94,7 +116,7 @@ def step_sequences(draw):
 @given(step_sequences())
 def test_identities_hold_for_any_sequence_of_steps(case):
     K, steps = case
-    s = SpecDecodeStats(num_speculative_tokens=K)
+    s = OneRow(num_speculative_tokens=K)
     for drafted, accepted, overlaps in steps:
         s.observe(drafted, accepted, overlaps)
     h = s.acceptance_histogram
@@ -118,7 +140,7 @@ def test_identities_hold_for_any_sequence_of_steps(case):
 
 
 def test_speculation_length_is_recorded_per_step():
-    s = SpecDecodeStats(num_speculative_tokens=4)
+    s = OneRow(num_speculative_tokens=4)
     s.observe(3, 3, [1.0, 1.0, 1.0], k=4)  # offered 4, the drafter found 3
     s.observe(0, 0, [], k=0)  # plain decoding this step
     s.observe(2, 0, [0.1])
@@ -126,3 +148,21 @@ def test_speculation_length_is_recorded_per_step():
     assert s.num_steps_without_drafts == 1
     with pytest.raises(ValueError):
         s.observe(3, 1, [0.5, 0.5], k=2)  # more drafts than offered
+
+
+def test_a_batch_counts_each_row_as_its_own_steps_would():
+    """Rows stepped together, then reordered and joined by new rows: each row's SpecDecodeStats is
+    what stepping it alone gives."""
+    together = BatchStats(3)
+    together.add(2)
+    alone = [OneRow(3), OneRow(3)]
+    steps = [([3, 2], [2, 0], [3, 1], [1.5, 0.25]), ([1, 3], [1, 3], [1, 3], [0.9, 2.7])]
+    for offered, accepted, tested, overlap in steps:
+        together.observe(np.array(offered), np.array(offered), np.array(accepted), np.array(tested), np.array(overlap))
+        for b in range(2):
+            alone[b].batch.observe(np.array([offered[b]]), np.array([offered[b]]), np.array([accepted[b]]),
+                                   np.array([tested[b]]), np.array([overlap[b]]))
+    together.keep([1, 0])
+    together.add(1)
+    assert together.row(0) == alone[1].batch.row(0) and together.row(1) == alone[0].batch.row(0)
+    assert together.row(2) == SpecDecodeStats(3)

@@ -10,17 +10,33 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
-from raysd.distill.data import (head_vocabulary, load_teacher_data, merge_teacher_meta, read_prompts, save_teacher_data,
-                                select_training_prompts, split_holdout)
-from raysd.models.layer_draft import (CONFIG_FILE, WEIGHTS_FILE, build_draft, head_token_ids, load_draft, own_state_dict,
-                                 read_draft_config, save_draft)
+from raysd.core.speculation import SpeculationConfig
+from raysd.distill.data import (
+    head_vocabulary,
+    load_teacher_data,
+    merge_teacher_meta,
+    read_prompts,
+    save_teacher_data,
+    select_training_prompts,
+    split_holdout,
+)
 from raysd.distill.train import TrainConfig, distill_loss, evaluate_loss, train_draft
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
+from raysd.models.layer_draft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    build_draft,
+    head_token_ids,
+    load_draft,
+    own_state_dict,
+    read_draft_config,
+    save_draft,
+)
 from raysd.models.loading import ModelSpec, load_model
-from tests.core.test_distribution import chi_square_pvalue
 from tests.conftest import EOS, tiny_model
+from tests.core.test_distribution import chi_square_pvalue
 from tests.distill.helpers import peaked, random_prompts, teacher_examples
 
 
@@ -92,7 +108,8 @@ def test_distilled_draft_gives_the_targets_greedy_output(target, distilled, batc
             out = target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
                                   max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=EOS)
             expected.append(out[0, len(p):].tolist())
-    engine = SpecEngine(target, DraftModelDrafter(distilled, 96), EngineConfig(k, batch_size, (EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(distilled, 96), EngineConfig(speculation, max_batch_size=batch_size))
     results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
     got = [r.token_ids for r in results]
     assert got == [e[: len(g)] if e and e[-1] == EOS else e for e, g in zip(expected, got)]
@@ -125,7 +142,8 @@ def test_sampled_first_token_follows_the_target():
     train_draft(draft, examples, TrainConfig(steps=10, lr=3e-3, batch_tokens=256, warmup_steps=2))
     prompt = [4, 7, 9, 4, 7]
     params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
-    engine = SpecEngine(target, DraftModelDrafter(draft, V), EngineConfig(num_speculative_tokens=1, max_batch_size=1000))
+    speculation = SpeculationConfig(num_speculative_tokens=1)
+    engine = SpecEngine(target, DraftModelDrafter(draft, V), EngineConfig(speculation, max_batch_size=1000))
     results = engine.generate([Request(i, prompt, SamplingParams(**{**params.__dict__, "seed": 777 + i})) for i in range(N)])
     assert sum(r.stats.num_draft_tokens for r in results) == N  # every first token went through the rejection test
     counts = np.bincount([r.token_ids[0] for r in results], minlength=V)

@@ -14,7 +14,7 @@ from raysd.distill.eagle_data import generate_feature_data, load_feature_data, s
 from raysd.distill.eagle_eval import eagle_chain_overlaps, summarize, token_draft_chain_overlaps
 from raysd.distill.eagle_train import EagleTrainConfig, collate, evaluate_eagle_loss, train_eagle, ttt_mask
 from raysd.models.eagle_draft import CONFIG_FILE, EagleDraft, read_eagle_config
-from tests.conftest import EOS, tiny_model
+from tests.conftest import EOS, own_ray, tiny_model
 from tests.distill.helpers import peaked, random_prompts
 
 
@@ -142,12 +142,10 @@ def test_cli_eagle_steps_1_local(tmp_path, target):
 def test_cli_eagle_steps_1_ray_train(tmp_path, target):
     pytest.importorskip("ray.train.torch")
     import ray
-
-    from raysd.actors.local import start_local_ray
     from raysd.cli import main
 
     target.save_pretrained(tmp_path / "target")
-    start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
+    own_ray(num_cpus=2)
     try:
         rc = main(["distill", "--kind", "eagle", "--target", str(tmp_path / "target"), "--prompts", str(_prompt_file(tmp_path)),
                    "--max-new-tokens", "6", "--steps", "1", "--batch-tokens", "128", "--backend", "ray",

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysd.actors.local import start_local_ray
 from raysd.models.layer_draft import build_draft, own_state_dict
 from raysd.distill.train import TrainConfig, evaluate_loss, train_with_ray
-from tests.conftest import tiny_model
+from tests.conftest import own_ray, tiny_model
 from tests.distill.helpers import peaked, teacher_examples
 
 pytestmark = pytest.mark.slow
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.slow
 def local_ray():
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
-    start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
+    own_ray(num_cpus=2)
     yield ray
     ray.shutdown()
 

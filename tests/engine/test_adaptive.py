@@ -4,11 +4,12 @@ decoding when speculation does not pay."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from raysd.core.stats import SpecDecodeStats
+from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.core.theory import expected_tokens_per_step, expected_walltime_improvement, optimal_k
-from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, choose_k, num_micro_batches, row_alpha, step_seconds
+from raysd.engine.adaptive import KController, choose_k, num_micro_batches, step_seconds
 
 K_MAX = 8
 
@@ -56,28 +57,17 @@ def test_budgets_cap_k_and_overlap_makes_drafting_cheaper():
     assert overlapped >= serial
 
 
-def test_row_alpha_moves_from_prior_to_history():
-    s = SpecDecodeStats(4)
-    assert row_alpha(s, 0.5, 4.0) == 0.5
-    for _ in range(100):
-        s.observe(4, 4, [0.95] * 4)
-    assert row_alpha(s, 0.5, 4.0) == pytest.approx(0.95, abs=0.01)
-
-
-def test_new_rows_start_from_the_pooled_acceptance():
-    """After a weak drafter has shown itself on earlier rows, a new row does not pay to find out
-    again; its own evidence still moves it away from the pool."""
+def test_new_rows_start_from_the_pooled_acceptance_and_their_own_evidence_moves_them():
+    """A row's alpha is its own evidence shrunk towards the pool's: after a weak drafter has shown
+    itself on earlier rows, a new row does not pay to find out again; its own evidence still
+    moves it away from the pool."""
     ctl = KController(AdaptiveConfig(flat_costs(0.2)))
-    fresh = SpecDecodeStats(K_MAX)
-    assert ctl.prior == 0.5 and ctl.choose_k([fresh], [K_MAX]) > 0  # the fixed prior: worth a try
+    assert ctl.prior == 0.5 and ctl.choose_k_from([0.0], [0], [K_MAX]) > 0  # the fixed prior: worth a try
     for _ in range(50):  # earlier rows: almost nothing accepted
-        ctl.observe([0.05])
+        ctl.observe_all(0.05, 1)
     assert ctl.prior == pytest.approx((50 * 0.05 + 0.5 * 4) / 54)
-    assert ctl.choose_k([SpecDecodeStats(K_MAX)], [K_MAX]) == 0  # a new row starts off
-    good = SpecDecodeStats(K_MAX)
-    for _ in range(20):
-        good.observe(4, 4, [0.97] * 4)
-    assert ctl.choose_k([good], [K_MAX]) > 0  # its own history wins over the pool
+    assert ctl.choose_k_from([0.0], [0], [K_MAX]) == 0  # a new row starts off
+    assert ctl.choose_k_from([20 * 4 * 0.97], [20 * 4], [K_MAX]) > 0  # its own history wins over the pool
 
 
 def test_step_costs_interpolate_and_validate():
@@ -108,9 +98,10 @@ def test_num_micro_batches_follows_the_step_costs():
 # ---------------------------------------------------------------- through the engine
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import EOS, VOCAB, tiny_model
 from tests.engine.test_equivalence import hf_greedy, prompts
 
@@ -120,7 +111,9 @@ def test_auto_k_keeps_greedy_output_identical(c):
     target = tiny_model("llama")
     ps = prompts()
     expected = [hf_greedy(target, p, 20) for p in ps]
-    config = EngineConfig(num_speculative_tokens=K_MAX, max_batch_size=8, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(flat_costs(c)))
+    speculation = SpeculationConfig(num_speculative_tokens=K_MAX, eos_token_ids=(EOS,),
+                                    adaptive=AdaptiveConfig(flat_costs(c)))
+    config = EngineConfig(speculation, max_batch_size=8)
     for drafter in (DraftModelDrafter(target, VOCAB), NgramDrafter(VOCAB)):
         results = SpecEngine(target, drafter, config).generate([Request(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(ps)])
         assert [r.token_ids for r in results] == expected
@@ -133,7 +126,9 @@ def test_auto_k_keeps_greedy_output_identical(c):
 
 def test_auto_k_drafts_long_when_the_draft_is_the_target():
     target = tiny_model("llama")
-    config = EngineConfig(num_speculative_tokens=K_MAX, max_batch_size=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(flat_costs(0.05)))
+    speculation = SpeculationConfig(num_speculative_tokens=K_MAX, eos_token_ids=(EOS,),
+                                    adaptive=AdaptiveConfig(flat_costs(0.05)))
+    config = EngineConfig(speculation, max_batch_size=4)
     results = SpecEngine(target, DraftModelDrafter(target, VOCAB), config).generate(
         [Request(i, p, SamplingParams(max_new_tokens=27, ignore_eos=True)) for i, p in enumerate(prompts()[:4])])
     for r in results:
@@ -147,3 +142,72 @@ def test_profiled_costs_are_usable():
     target = tiny_model("llama")
     costs = profile_step_costs(target, tiny_model("llama", seed=1, layers=1), k_max=3, batch_sizes=(1, 4), context=16, reps=1)
     assert costs.k_max == 3 and all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
+
+
+# ---------------------------------------------------------------- costs learned as the job runs
+
+
+def test_learned_costs_estimate_from_what_was_timed():
+    from raysd.engine.adaptive import LearnedStepCosts
+
+    costs = LearnedStepCosts(k_max=8, decay=1.0)
+    assert not costs.knows(8) and costs.target(8, 3) == 1.0 and costs.draft(8) == 0.0  # nothing timed: all equal
+    costs.observe(8, width=1, verify_s=0.010)  # a plain step of 8 rows (bucket 8)
+    assert costs.knows(5) and costs.knows(8) and not costs.knows(9)  # buckets: powers of two
+    assert costs.target(8, 0) == 0.010 and costs.target(8, 4) == 0.010  # wider: optimistic until timed
+    costs.observe(7, width=5, verify_s=0.030, draft_forward_s=0.002)
+    assert costs.target(8, 4) == 0.030 and costs.target(8, 2) == pytest.approx(0.020)  # interpolated
+    assert costs.target(8, 8) == 0.030 and costs.draft(8) == 0.002
+    assert costs.target(32, 4) == 0.030 and costs.draft(1) == 0.002  # the nearest timed bucket
+    costs.observe(8, width=1, verify_s=0.020)
+    assert costs.target(8, 0) == 0.020  # decay 1: the latest step
+
+
+def test_a_learning_controller_starts_plain_explores_once_then_decides_on_measured_costs():
+    """No profile: the first step at a batch size is plain decoding (it times T_target(B, 1));
+    drafting is then tried where it might pay, and kept only if the timed steps say it does."""
+    ctl = KController(AdaptiveConfig(prior_alpha=0.6), depth=4)
+    evidence = ([0.0] * 4, [0] * 4, [4] * 4)
+    assert ctl.choose_plan_from(*evidence) == (0, 0)  # the safe start
+    ctl.observe_step(4, 1, 0, verify_s=0.010, draft_s=0.0)
+    k, _ = ctl.choose_plan_from(*evidence)
+    assert k == 4  # every width looks as cheap as a plain step until timed: the widest is tried
+    ctl.observe_step(4, 5, 4, verify_s=0.100, draft_s=0.0)  # and it turns out 10x a plain step
+    ctl.observe_all(4 * 0.6, 4)
+    assert ctl.choose_plan_from(*evidence)[0] == 0  # drafting does not pay at these costs
+    cheap = KController(AdaptiveConfig(prior_alpha=0.6), depth=4)
+    cheap.observe_step(4, 1, 0, verify_s=0.010, draft_s=0.0)
+    cheap.observe_step(4, 5, 4, verify_s=0.011, draft_s=0.0)
+    assert cheap.choose_plan_from(*evidence)[0] == 4  # verifying is nearly free: draft long
+
+
+def test_learned_costs_keep_greedy_output_identical():
+    """-k auto with no profile, through the engine: whatever K the timed steps choose, greedy
+    output is the target's own."""
+    target = tiny_model("llama")
+    ps = prompts()
+    speculation = SpeculationConfig(num_speculative_tokens=K_MAX, eos_token_ids=(EOS,), adaptive=AdaptiveConfig())
+    for drafter in (DraftModelDrafter(tiny_model("llama", seed=3, layers=1), VOCAB), NgramDrafter(VOCAB)):
+        engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=8))
+        results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(ps)])
+        assert [r.token_ids for r in results] == [hf_greedy(target, p, 20) for p in ps]
+        assert engine.k_controller.chosen[(0, 0)] >= 1  # it started plain
+
+
+def test_a_drafters_own_confidence_chooses_k_and_is_calibrated_by_the_verdicts():
+    """choose_k_by_confidence: E_b(k) = 1 + c sum_{i < k} confidence[b, i] tokens per row against the
+    step's cost; confident drafts are drafted long, unconfident ones not at all, and a drafter whose
+    confidence the verdicts do not bear out (c falls) is trusted less."""
+    costs = StepCosts((1, 8), ((1.0, 1.1, 1.2, 1.3, 1.4),) * 2, (0.0, 0.0))  # each extra token costs 10%
+    ctl = KController(AdaptiveConfig(costs), depth=4)
+    sure = np.array([[0.95, 0.9, 0.85, 0.8]] * 4)  # [B, K]
+    unsure = np.array([[0.05, 0.01, 0.0, 0.0]] * 4)
+    assert ctl.choose_k_by_confidence(sure, [4] * 4) == 4
+    assert ctl.choose_k_by_confidence(unsure, [4] * 4) == 0
+    assert ctl.choose_k_by_confidence(sure, [1] * 4) == 1  # capped by the rows' room
+    assert ctl.calibration == 1.0
+    for _ in range(20):  # steps whose confident drafts were all rejected
+        ctl.choose_k_by_confidence(sure, [4] * 4)
+        ctl.observe_all(0.0, 4, accepted=0)
+    assert ctl.calibration < 0.1
+    assert ctl.choose_k_by_confidence(sure, [4] * 4) == 0

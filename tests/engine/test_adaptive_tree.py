@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.core.theory import expected_tokens_per_step
 from raysd.core.tree_shape import RANK_PRIOR, rank_visits, tree_shape
-from raysd.engine.adaptive import AdaptiveConfig, KController, StepCosts, _TreeCandidate, tree_budgets
+from raysd.engine.adaptive import KController, _TreeCandidate, tree_budgets
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import EOS, VOCAB, tiny_model
 from tests.engine.test_distribution_e2e import assert_first_two_tokens_follow_target
 from tests.engine.test_equivalence import hf_greedy, prompts
@@ -134,16 +135,18 @@ def test_step_costs_must_cover_the_largest_tree():
     with pytest.raises(ValueError, match="tree budget"):
         KController(AdaptiveConfig(StepCosts((1,), ((1.0,) * 9,), (0.1,))), tree_budget=16, depth=4)
     with pytest.raises(ValueError, match="tree_budget"):
-        EngineConfig(num_speculative_tokens=4, tree_budget=16, adaptive=AdaptiveConfig(StepCosts((1,), ((1.0,) * 9,), (0.1,))))
+        speculation = SpeculationConfig(num_speculative_tokens=4, tree_budget=16,
+                                        adaptive=AdaptiveConfig(StepCosts((1,), ((1.0,) * 9,), (0.1,))))
+        EngineConfig(speculation)
 
 
 # ---------------------------------------------------------------- exact whatever is chosen
 
 
 def adaptive_engine(target, drafter, slope: float = 0.01, batch_size: int = 8, K: int = 4) -> SpecEngine:
-    return SpecEngine(target, drafter, EngineConfig(
-        num_speculative_tokens=K, max_batch_size=batch_size, eos_token_ids=(EOS,), tree_budget=P_MAX,
-        adaptive=AdaptiveConfig(costs(slope))))
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), tree_budget=P_MAX,
+                                    adaptive=AdaptiveConfig(costs(slope)))
+    return SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=batch_size))
 
 
 @pytest.fixture(scope="module")

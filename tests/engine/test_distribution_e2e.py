@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import tiny_model
 from tests.core.test_distribution import chi_square_pvalue, tv_tolerance
 
@@ -65,7 +66,8 @@ def test_joint_law_of_two_tokens_matches_target(drafter_kind, k, runner):
     prompt = copyable_prompt(target)
     base = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_new_tokens=2, ignore_eos=True)
     drafter = DraftModelDrafter(draft, V, runner=runner) if drafter_kind == "model" else NgramDrafter(V)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000, runner=runner))
+    speculation = SpeculationConfig(num_speculative_tokens=k)
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=1000, runner=runner))
     reqs = [Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 10_000 + i})) for i in range(N)]
     results = engine.generate(reqs)
     assert_first_two_tokens_follow_target(results, target, prompt, base, length=2)

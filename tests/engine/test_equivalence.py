@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import EOS, VOCAB, tiny_model
 
 PROMPT_LENGTHS = (5, 9, 1, 12, 3, 7, 4, 16)
@@ -26,11 +27,12 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-RUNNERS = ["static", "dynamic"]  # every exactness test runs on both KV-cache runners (raysd.models.runners)
+RUNNERS = ["static", "dynamic"]  # every exactness test runs on both KV-cache runners (raysd.models.runner)
 
 
 def run(target, drafter, prompt_list, k, batch_size, max_new_tokens, params=None, runner="auto"):
-    config = EngineConfig(num_speculative_tokens=k, max_batch_size=batch_size, eos_token_ids=(EOS,), runner=runner)
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
+    config = EngineConfig(speculation, max_batch_size=batch_size, runner=runner)
     engine = SpecEngine(target, drafter, config)
     params = params or SamplingParams(max_new_tokens=max_new_tokens)
     return engine.generate([Request(i, p, params) for i, p in enumerate(prompt_list)])
@@ -61,7 +63,7 @@ def arch_target(request):
 def test_greedy_matches_target_generate(arch_target, drafter_kind, k, batch_size, runner):
     arch, target, ps, expected = arch_target
     if arch == "gpt2" and runner == "static":
-        pytest.skip("GPT-2 runs on the dynamic runner only (StaticModelRunner supports Llama-family models)")
+        pytest.skip("GPT-2 runs on the dynamic runner only (StaticRunner supports Llama-family models)")
     if batch_size == 1:  # batch 1 runs every prompt through a single slot; three prompts suffice
         ps, expected = ps[:3], expected[:3]
     results = run(target, make_drafter(drafter_kind, target, arch, runner), ps, k, batch_size, 24, runner=runner)
@@ -116,7 +118,8 @@ def test_rows_finish_independently_and_free_their_slots(runner):
     target = tiny_model("llama")
     ps = prompts()
     budgets = [3, 20, 1, 9, 14, 2, 30, 5]
-    config = EngineConfig(num_speculative_tokens=4, max_batch_size=3, eos_token_ids=(EOS,), runner=runner)
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    config = EngineConfig(speculation, max_batch_size=3, runner=runner)
     engine = SpecEngine(target, DraftModelDrafter(target, VOCAB, runner=runner), config)
     reqs = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(ps, budgets))]
     results = engine.generate(reqs)
@@ -124,7 +127,7 @@ def test_rows_finish_independently_and_free_their_slots(runner):
     for r, p, n in zip(results, ps, budgets):
         assert r.token_ids == hf_greedy(target, p, n)
         assert r.finish_reason == ("stop" if r.token_ids[-1] == EOS else "length")
-    assert engine.verifier.seqs.runner.num_rows == 0  # nothing left behind
+    assert engine.target.rows.runner.num_rows == 0  # nothing left behind
     t = engine.timings  # 8 rows admitted in several rounds: prefill is timed, and part of the wall time
     assert 0 < t.prefill_s < t.wall_s and t.generated_tokens == sum(len(r.token_ids) for r in results)
 
@@ -175,7 +178,8 @@ def test_same_seed_same_tokens_whatever_the_batch(runner):
     params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, max_new_tokens=16) for i in range(len(ps))]
 
     def sample(batch_size, order):
-        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner=runner), EngineConfig(4, batch_size, (EOS,), runner=runner))
+        speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner=runner), EngineConfig(speculation, max_batch_size=batch_size, runner=runner))
         res = engine.generate([Request(i, ps[i], params[i]) for i in order])
         return {r.request_id: r.token_ids for r in res}
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine import drafters
 from raysd.engine.drafters import FeatureDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
-from raysd.models.eagle_draft import EagleDraft
-from raysd.models.eagle_draft import final_norm
+from raysd.engine.requests import Request
+from raysd.models.eagle_draft import EagleDraft, final_norm
 from tests.conftest import VOCAB, tiny_model
 from tests.core.test_distribution import chi_square_pvalue, tv_tolerance
 from tests.engine.test_equivalence import hf_greedy, prompts
@@ -23,7 +23,7 @@ from tests.engine.test_equivalence import hf_greedy, prompts
 def eagle_engine(target, k: int, batch: int, runner: str, seed: int = 0, vocab: int = VOCAB) -> SpecEngine:
     draft = EagleDraft.from_target(target, init_layer=-1, seed=seed)  # untrained: a weak but real draft
     return SpecEngine(target, FeatureDrafter(draft, vocab, runner=runner),
-                      EngineConfig(num_speculative_tokens=k, max_batch_size=batch, runner=runner))
+                      EngineConfig(SpeculationConfig(num_speculative_tokens=k), max_batch_size=batch, runner=runner))
 
 
 @pytest.mark.parametrize("runner", ["static", "dynamic"])
@@ -37,7 +37,7 @@ def test_greedy_output_is_the_targets_own(runner, k, batch):
     for p, q, r in zip(ps, params, results):
         assert r.token_ids == hf_greedy(target, p, q.max_new_tokens)
     assert sum(r.stats.num_draft_tokens for r in results) > 0
-    assert engine.drafter.runner.num_rows == 0 and engine.verifier.seqs.runner.num_rows == 0
+    assert engine.draft.drafter.runner.num_rows == 0 and engine.target.rows.runner.num_rows == 0
 
 
 @pytest.mark.parametrize("runner", ["static", "dynamic"])
@@ -80,9 +80,10 @@ def test_prompts_prefilled_in_several_forwards_get_their_own_features(runner):
     ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 1, 160, 6, 90)]
     engine = eagle_engine(target, 3, len(ps), runner)
     items = [(i, Request(i, p, SamplingParams(max_new_tokens=4, ignore_eos=True))) for i, p in enumerate(ps)]
-    features = engine.target_side.verifier.add_rows([p for p in ps])
+    engine.target.add(items)
+    features = list(engine.target.prompt_features)
     if runner == "static":
-        assert len(engine.target_side.verifier.seqs.runner.prefill_calls) > 1  # the case under test
+        assert len(engine.target.rows.runner.prefill_calls) > 1  # the case under test
     seen = []
     handle = final_norm(target).register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     for p, f in zip(ps, features):
@@ -92,10 +93,11 @@ def test_prompts_prefilled_in_several_forwards_get_their_own_features(runner):
         assert f.shape[0] == len(p) - 1
         torch.testing.assert_close(f, seen[0][0, : len(p) - 1], atol=1e-4, rtol=1e-4)
     handle.remove()
-    engine.target_side.verifier.select([])
+    engine.target.rows.select([])
     # and through the engine: greedy output is the target's own
-    results = SpecEngine(target, eagle_engine(target, 3, len(ps), runner).drafter,
-                         EngineConfig(num_speculative_tokens=3, max_batch_size=len(ps), runner=runner)).generate(
+    speculation = SpeculationConfig(num_speculative_tokens=3)
+    results = SpecEngine(target, eagle_engine(target, 3, len(ps), runner).draft.drafter,
+                         EngineConfig(speculation, max_batch_size=len(ps), runner=runner)).generate(
         [r for _, r in items])
     for p, r in zip(ps, results):
         assert r.token_ids == hf_greedy(target, p, 4)
@@ -112,7 +114,7 @@ def test_catch_up_feeds_a_long_prompt_in_its_own_forward(monkeypatch):
 
     def run(grouped: bool):
         engine = eagle_engine(target, 3, 2, "static")  # batch 2: rows join as others finish
-        runner, calls = engine.drafter.runner, []
+        runner, calls = engine.draft.drafter.runner, []
         forward_rows = runner.forward_rows
         with monkeypatch.context() as m:
             m.setattr(runner, "forward_rows", lambda rows, *a: calls.append(rows.stop - rows.start) or forward_rows(rows, *a))
@@ -133,13 +135,13 @@ def test_a_rows_first_step_drafts_nothing():
     target = tiny_model("llama", seed=0)
     engine = eagle_engine(target, 4, 2, "static")
     items = [(0, Request(0, prompts(seed=3)[0], SamplingParams(max_new_tokens=10, ignore_eos=True)))]
-    engine.target_side.add(items)
-    engine.draft_side.add(items)
+    engine.target.add(items)
+    engine.draft.add(items)
     engine.step()
-    assert engine.target_side.batch.drafted.tolist() == [0] and engine.drafter.runner.lengths.tolist() == [0]
+    assert engine.target.batch.stats.drafted.tolist() == [0] and engine.draft.drafter.runner.lengths.tolist() == [0]
     engine.step()
-    assert engine.target_side.batch.drafted.tolist() == [4]
-    assert engine.drafter.runner.lengths.tolist() == [len(items[0][1].prompt_token_ids)]  # its features, fed
+    assert engine.target.batch.stats.drafted.tolist() == [4]
+    assert engine.draft.drafter.runner.lengths.tolist() == [len(items[0][1].prompt_token_ids)]  # its features, fed
 
 
 V, N = 6, 12_000  # three tokens: 216 cells of ~56 expected counts each

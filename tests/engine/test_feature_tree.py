@@ -10,21 +10,22 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.core.tree_shape import tree_shape
-from raysd.engine.adaptive import AdaptiveConfig, StepCosts
 from raysd.engine.drafters import FeatureDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from raysd.models.eagle_draft import EagleDraft, final_norm
 from tests.conftest import VOCAB, tiny_model
 from tests.engine.test_equivalence import hf_greedy, prompts
 from tests.engine.test_feature_draft import V, assert_first_three_follow_target
 
 
-def eagle_tree_engine(target, P: int, K: int, batch: int, seed: int = 0, vocab: int = VOCAB, **config) -> SpecEngine:
+def eagle_tree_engine(target, P: int, K: int, batch: int, seed: int = 0, vocab: int = VOCAB,
+                      adaptive: AdaptiveConfig | None = None) -> SpecEngine:
     draft = EagleDraft.from_target(target, init_layer=-1, seed=seed)  # untrained: a weak but real draft
-    return SpecEngine(target, FeatureDrafter(draft, vocab), EngineConfig(
-        num_speculative_tokens=K, max_batch_size=batch, tree_budget=P, **config))
+    spec = SpeculationConfig(num_speculative_tokens=K, tree_budget=P, adaptive=adaptive)
+    return SpecEngine(target, FeatureDrafter(draft, vocab), EngineConfig(spec, max_batch_size=batch))
 
 
 # ---------------------------------------------------------------- each node reads the right feature
@@ -118,7 +119,7 @@ def test_the_draft_receives_the_targets_features_of_the_accepted_path():
 
     def recording_commit(new_tokens, num_accepted=None, features=None):
         for b, f in enumerate(features):  # rows leave as they finish: file by the request's index
-            received[engine.draft_side.batch.ids[b]].append(f.clone())
+            received[engine.draft.batch.ids[b]].append(f.clone())
         return commit(new_tokens, num_accepted, features)
 
     engine.drafter.commit = recording_commit
@@ -148,7 +149,7 @@ def test_greedy_output_is_the_targets_own(P, K, batch):
     per_drafting_step = [r.stats.num_draft_tokens / max(1, r.stats.num_spec_steps - r.stats.num_steps_without_drafts)
                          for r in results]
     assert max(per_drafting_step) > K  # trees, wider than a chain of K, were drafted and verified
-    assert engine.drafter.runner.num_rows == 0 and engine.verifier.seqs.runner.num_rows == 0
+    assert engine.draft.drafter.runner.num_rows == 0 and engine.target.rows.runner.num_rows == 0
 
 
 N = 12_000  # V = 6: three tokens, 216 cells of ~56 expected counts each

@@ -16,9 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from raysd.models.eagle_draft import EagleDraft
 from tests.conftest import EOS, VOCAB, tiny_model
 
@@ -86,7 +87,8 @@ def count_reads_per_step(engine: SpecEngine, monkeypatch) -> list[tuple[int, lis
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_speculative_step_reads_back_once(kind, temperature, monkeypatch):
     target = tiny_model("llama", seed=0)
-    engine = SpecEngine(target, drafter_of(kind, target), EngineConfig(num_speculative_tokens=4, max_batch_size=4, eos_token_ids=(EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, drafter_of(kind, target), EngineConfig(speculation, max_batch_size=4))
     per_step = count_reads_per_step(engine, monkeypatch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4, 6)]

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from raysd.models.loading import eos_token_ids
 from tests.conftest import tiny_model
 
@@ -44,7 +45,8 @@ def setup(smollm2):
 
 
 def generate(model, drafter, prompts, k, batch_size):
-    engine = SpecEngine(model, drafter, EngineConfig(k, batch_size, eos_token_ids(model)))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=eos_token_ids(model))
+    engine = SpecEngine(model, drafter, EngineConfig(speculation, max_batch_size=batch_size))
     return [r for r in engine.generate([Request(i, p, SamplingParams(max_new_tokens=MAX_NEW)) for i, p in enumerate(prompts)])]
 
 

@@ -1,37 +1,43 @@
-"""The step's two halves (raysd.engine.step), driven directly as the Ray actors drive them."""
+"""One speculative step (raysd.engine.step), driven as the Ray actors drive it: the draft side
+proposes in one place, the target's step runs with the received proposal, and the draft side
+applies the same verdict."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
+from raysd.engine.batch import Plan
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
-from raysd.engine.step import DraftSide, RowLimits, TargetSide
-from raysd.engine.verifier import TargetVerifier
+from raysd.engine.requests import Request
+from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, speculative_step
+from raysd.engine.target import TargetSide
 from tests.conftest import VOCAB, tiny_model
 from tests.engine.test_equivalence import hf_greedy, prompts
 
+SPEC = replace(SpeculationConfig(num_speculative_tokens=4), max_model_len=512)
 
-def run_sides(target, draft, prompt_list, k_schedule, max_new: int, params=None):
-    """Drive both halves with the given K per step (cycled); returns tokens and the draft runner's
-    row count before each step."""
-    limits = RowLimits(num_speculative_tokens=4, max_model_len=512)
-    target_side = TargetSide(TargetVerifier(target), limits)
+
+def run_apart(target, draft, prompt_list, k_schedule, max_new: int, params=None):
+    """The two sides apart, with the given K per step (cycled); returns the results and the draft
+    runner's row count before each step."""
+    target_side = TargetSide(target, SPEC)
     drafter = DraftModelDrafter(draft, VOCAB)
-    draft_side = DraftSide(drafter, limits, "cpu")
+    draft_side = DraftSide(drafter, SPEC, "cpu")
     params = params or SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     items = [(i, Request(i, p, params)) for i, p in enumerate(prompt_list)]
     target_side.add(items)
     draft_side.add(items)
     results, draft_rows, step = {}, [], 0
     while len(target_side):
-        k = k_schedule[step % len(k_schedule)]
-        draft_rows.append((k, drafter.seqs.runner.num_rows))
-        outcome = target_side.verify(draft_side.propose(k), k)
-        draft_side.commit(outcome.kept, outcome.accepted, outcome.keep)
-        results.update(outcome.finished)
+        plan = Plan(k_schedule[step % len(k_schedule)])
+        draft_rows.append((plan.k, drafter.rows.runner.num_rows))
+        proposal = draft_side.propose(plan)  # in the draft's actor
+        verdict = speculative_step(ReceivedProposal(proposal), target_side, ReceivedPlan(SPEC, plan))  # the target's
+        draft_side.commit(verdict)  # back in the draft's actor
+        results.update(verdict.finished)
         step += 1
     return [results[i] for i in range(len(prompt_list))], draft_rows
 
@@ -41,7 +47,7 @@ def test_a_cold_draft_does_no_work_until_a_step_asks_for_drafts():
     every row's tokens so far, and greedy output stays the target's own."""
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
     ps = prompts(seed=3)[:3]
-    results, draft_rows = run_sides(target, draft, ps, [0, 0, 0, 3, 0, 4], max_new=16)
+    results, draft_rows = run_apart(target, draft, ps, [0, 0, 0, 3, 0, 4], max_new=16)
     assert [rows for k, rows in draft_rows[:4]] == [0, 0, 0, 0]  # cold through three K = 0 steps
     assert draft_rows[4][1] == 3  # warm from the first K > 0 step on
     for p, r in zip(ps, results):
@@ -52,29 +58,32 @@ def test_a_cold_draft_does_no_work_until_a_step_asks_for_drafts():
 def test_an_all_plain_schedule_never_touches_the_draft():
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
     ps = prompts(seed=4)[:2]
-    results, draft_rows = run_sides(target, draft, ps, [0], max_new=6)
+    results, draft_rows = run_apart(target, draft, ps, [0], max_new=6)
     assert all(rows == 0 for _, rows in draft_rows)
     assert [r.token_ids for r in results] == [hf_greedy(target, p, 6) for p in ps]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_sides_give_the_engines_tokens(temperature):
-    """The engine is the two halves in one process: same seeds, same tokens, same statistics."""
+def test_the_sides_apart_give_the_engines_tokens_and_statistics():
+    """The engine is the same step with both sides in one process: same seeds, same tokens,
+    same statistics, and both sides' rows agree on every count."""
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
     ps = prompts(seed=5)[:4]
-    params = SamplingParams(temperature=temperature, max_new_tokens=10, seed=7, ignore_eos=True)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4))
-    expected = engine.generate([Request(i, p, params) for i, p in enumerate(ps)])
-    got, _ = run_sides(target, draft, ps, [4], max_new=10, params=params)
-    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
-    assert [r.stats for r in got] == [r.stats for r in expected]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=10, seed=7, ignore_eos=True)
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(SPEC, max_batch_size=4))
+        expected = engine.generate([Request(i, p, params) for i, p in enumerate(ps)])
+        got, _ = run_apart(target, draft, ps, [4], max_new=10, params=params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        assert [r.stats for r in got] == [r.stats for r in expected]
 
 
-def test_row_limits_are_validated():
-    with pytest.raises(ValueError):
-        RowLimits(num_speculative_tokens=-1, max_model_len=64)
-    with pytest.raises(ValueError):
-        RowLimits(num_speculative_tokens=4, max_model_len=1)
-    limits = RowLimits(4, 16)
-    assert limits.first_room(Request(0, (1, 2, 3), SamplingParams(max_new_tokens=2))) == 1  # 2 tokens: 1 draft + bonus
-    assert limits.first_room(Request(0, tuple(range(14)), SamplingParams(max_new_tokens=100))) == 1  # context: 2 left
+def test_both_sides_keep_the_same_rows_and_statistics():
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(SPEC, max_batch_size=3))
+    engine.add([(i, Request(i, p, SamplingParams(max_new_tokens=3 + 2 * i, ignore_eos=True)))
+                for i, p in enumerate(prompts(seed=6)[:3])])
+    while len(engine.target):
+        engine.step()
+        t, d = engine.target.batch, engine.draft.batch
+        assert t.ids == d.ids and t.generated.tolist() == d.generated.tolist()
+        assert t.stats.overlap_sum.tolist() == d.stats.overlap_sum.tolist() and t.room().tolist() == d.room().tolist()

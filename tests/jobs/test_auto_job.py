@@ -8,11 +8,12 @@ import os
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 from raysd.jobs import GenerateConfig, generate
 from tests.jobs.conftest import token_prompts
 from tests.jobs.test_eagle_job import greedy
-from tests.conftest import tiny_model
+from tests.conftest import own_ray, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,15 @@ def cache_dir(tmp_path_factory):
         os.environ.pop("RAYSD_CACHE_DIR")
     else:
         os.environ["RAYSD_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def local_ray(cache_dir):
+    """A Ray of this module's own, started after `cache_dir` is set (the session's shared Ray
+    caches into another directory): its workers see only this module's profiles."""
+    own_ray(num_cpus=6)
+    yield
+    ray.shutdown()
 
 
 def test_auto_profiles_once_and_keeps_greedy_output(cache_dir, tmp_path, model_dirs, local_ray):
@@ -46,3 +56,21 @@ def test_auto_profiles_once_and_keeps_greedy_output(cache_dir, tmp_path, model_d
     model = tiny_model("llama", seed=0)
     rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
     assert [rows[i]["generated_token_ids"] for i in range(len(prompts))] == [greedy(model, p, 8) for p in prompts]
+
+
+def test_auto_with_a_model_free_drafter_profiles_nothing(cache_dir, tmp_path, model_dirs, local_ray):
+    """-k auto with n-gram lookup learns its step costs from the job's own steps: no profiling pass,
+    nothing cached, and the rows are still the target's greedy tokens."""
+    target = model_dirs[0]
+    before = sorted(p.name for p in (cache_dir / "step_costs").glob("*.json"))
+    prompts = [p + p for p in token_prompts(6, seed=10)]  # repeats give the lookup something to find
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft="ngram",
+                         num_speculative_tokens="auto", max_new_tokens=8, batch_size=4, quiet=True)
+    summary = generate(cfg)
+    assert sorted(p.name for p in (cache_dir / "step_costs").glob("*.json")) == before
+    model = tiny_model("llama", seed=0)
+    rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
+    assert [rows[i]["generated_token_ids"] for i in range(len(prompts))] == [greedy(model, p, 8) for p in prompts]
+    assert summary.latest_run.time_breakdown["wall"]["generating"] > 0

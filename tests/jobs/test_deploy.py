@@ -3,12 +3,11 @@ head started with `ray start` (tiny model, token-id prompts: no tokenizer, no do
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +30,13 @@ def test_cluster_yaml_validates_against_ray_schema():
     torch_at = next(i for i, c in enumerate(setup) if "install torch" in c)
     raysd_at = next(i for i, c in enumerate(setup) if "/raysd" in c and "install" in c)
     assert torch_at < raysd_at  # torch first, then the package
+    assert "/raysd[s3,gcs]" in setup[raysd_at]  # cloud storage for --input/--output (README, "On a GPU cluster")
+
+
+def test_cloud_extras_are_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["s3"][0].startswith("s3fs") and extras["gcs"][0].startswith("gcsfs")
 
 
 def test_runtime_env_example_is_valid():
@@ -39,6 +45,22 @@ def test_runtime_env_example_is_valid():
     env = yaml.safe_load((ROOT / "jobs" / "runtime_env.yaml").read_text())
     RuntimeEnv(**env)  # known fields, right types
     assert env["working_dir"] == "."
+
+
+def test_submit_script_forwards_hf_token_and_every_argument(tmp_path):
+    """jobs/submit_generate.sh, against a fake `ray` that records its arguments."""
+    fake = tmp_path / "ray"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$FAKE_RAY_ARGS"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HF_TOKEN": "hf_test", "FAKE_RAY_ARGS": str(tmp_path / "args")}
+    subprocess.run(["bash", "jobs/submit_generate.sh", "--input", "s3://b/in/", "--output", "s3://b/out/"], cwd=ROOT, env=env,
+                   check=True, timeout=60)
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[:2] == ["job", "submit"]
+    runtime = json.loads(args[args.index("--runtime-env-json") + 1])
+    assert runtime == {**yaml.safe_load((ROOT / "jobs" / "runtime_env.yaml").read_text()),
+                       "env_vars": {**runtime["env_vars"], "HF_TOKEN": "hf_test"}}
+    assert args[args.index("--") + 1:] == ["python", "-m", "raysd", "generate", "--input", "s3://b/in/", "--output", "s3://b/out/"]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -91,6 +113,7 @@ def ray_head(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a `ray start` head with its dashboard and job agent, beside no other Ray
 def test_ray_job_submit_end_to_end(tmp_path, model_dirs, ray_head):
     address, env = ray_head
     target, _ = model_dirs

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from raysd.jobs import GenerateConfig, JobError, generate
 from raysd.jobs.io import OutputStore
 from raysd.jobs.replica import row_seed
@@ -46,7 +47,8 @@ def reference(target_dir, draft, prompts, params, k=4):
         drafter = NgramDrafter(VOCAB)
     else:
         drafter = DraftModelDrafter(load_model(ModelSpec(draft)), VOCAB)
-    engine = SpecEngine(target, drafter, EngineConfig(num_speculative_tokens=k, max_batch_size=3, eos_token_ids=(EOS,)))
+    speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=3))
     with torch.inference_mode():
         return [r.token_ids for r in engine.generate([Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))])]
 
@@ -72,7 +74,7 @@ def test_job_matches_engine_with_error_rows_and_overrides(tmp_path, model_dirs, 
     summary = generate(cfg)
 
     out = read_output(cfg.output)
-    assert out.num_rows == len(rows) == summary.rows == summary.rows_this_run
+    assert out.num_rows == len(rows) == summary.rows == summary.latest_run.rows
     ids = out.column("id").to_pylist()
     assert sorted(ids) == list(range(len(rows)))  # ids from the row order, each exactly once
     got = by_id(out)
@@ -83,7 +85,7 @@ def test_job_matches_engine_with_error_rows_and_overrides(tmp_path, model_dirs, 
     assert "outside the vocabulary" in errors["oov"]
     assert "context" in errors["long"]
     assert "temperature" in errors["badtemp"]
-    assert summary.rows_failed == 4
+    assert summary.rows_failed == summary.latest_run.rows_failed == 4
 
     params = []
     for i, r in enumerate(rows[:9]):
@@ -103,6 +105,7 @@ def test_job_matches_engine_with_error_rows_and_overrides(tmp_path, model_dirs, 
 
     written = json.loads((tmp_path / "out" / "_summary.json").read_text())
     assert written["rows"] == len(rows) and written["generated_tokens"] == sum(len(e) for e in expected)
+    assert written["generated_tokens"] == written["latest_run"]["generated_tokens"]  # a fresh output: one run
     assert written["mean_acceptance_length"] >= 1.0
 
 
@@ -115,8 +118,8 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     cfg = GenerateConfig(input=str(inp), output=str(out), target=target, draft="ngram", max_new_tokens=6,
                          batch_size=2, rows_per_file=2, replicas=2, quiet=True)
     first = generate(cfg)
-    assert first.rows == 12 and first.replicas == 2
-    assert first.time_breakdown["start"] > 0  # a fresh job starts its models (with the replica actors)
+    assert first.rows == 12 and first.latest_run.replicas == 2
+    assert first.latest_run.time_breakdown["start"] > 0  # a fresh job starts its models (with the replica actors)
     full = by_id(read_output(str(out)))
     parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))
     assert len(parts) >= 3
@@ -129,23 +132,26 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     (out / "_tmp" / "part-partial.parquet").write_bytes(b"PAR1 truncated")
 
     second = generate(cfg)
-    assert second.rows_this_run == lost and second.rows_skipped == 12 - lost
+    assert second.latest_run.rows == lost and second.latest_run.rows_skipped == 12 - lost
     table = read_output(str(out))
     ids = table.column("id").to_pylist()
     assert sorted(ids) == sorted(full) and len(ids) == len(set(ids)) == 12  # nothing lost, nothing doubled
     again = by_id(table)
     assert all(again[k]["generated_token_ids"] == full[k]["generated_token_ids"] for k in full)
 
-    # Everything written: a re-run generates nothing and starts no model.
+    # Everything written: a re-run generates nothing and starts no model, and the summary keeps
+    # the output's totals (its latest run's own figures are the no-op's).
     third = generate(cfg)
-    assert third.rows_this_run == 0 and third.rows == 12
-    assert third.time_breakdown["start"] == 0  # resumed: models start at a first row, and there was none
+    assert third.latest_run.rows == 0 and third.rows == 12
+    assert third.latest_run.time_breakdown["start"] == 0  # resumed: models start at a first row, and there was none
+    assert third.generated_tokens == sum(len(r["generated_token_ids"]) for r in table.to_pylist()) > 0
+    assert third.latest_run.generated_tokens == 0 and third.mean_acceptance_length == second.mean_acceptance_length
 
     # A different job into the same output is refused; --overwrite starts over.
     with pytest.raises(JobError, match="different"):
         generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7}))
     fourth = generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7, "overwrite": True}))
-    assert fourth.rows_this_run == 12 and fourth.rows_skipped == 0 and read_output(str(out)).num_rows == 12
+    assert fourth.latest_run.rows == 12 and fourth.latest_run.rows_skipped == 0 and read_output(str(out)).num_rows == 12
 
 
 def test_a_model_that_fails_to_load_at_the_eager_start_fails_the_job(tmp_path, model_dirs, local_ray):
@@ -177,6 +183,7 @@ def test_jsonl_and_memory_fs_and_plain_decoding(tmp_path, model_dirs, local_ray)
     out = read_output("memory://jobs-out")
     assert sorted(out.column("key").to_pylist()) == [f"k{i}" for i in range(5)]
     assert set(out.column("num_speculative_tokens").to_pylist()) == {0} and summary.draft_acceptance_rate is None
+    assert summary.latest_run.draft_acceptance_rate is None
     assert set(out.column("mean_acceptance_length").to_pylist()) == {1.0}
     expected = reference(target, "ngram", prompts, [SamplingParams(max_new_tokens=5)] * 5, k=0)
     got = {r["key"]: r["generated_token_ids"] for r in out.to_pylist()}

@@ -101,8 +101,9 @@ def test_schema_is_explicit():
     schema = output_schema(pa.field("id", pa.int64()), [pa.field("prompt", pa.string())])
     assert schema.names[:2] == ["id", "prompt"]
     assert schema.field("generated_token_ids").type == pa.list_(pa.int32())
-    assert [f.name for f in GENERATED_FIELDS][:6] == [
-        "generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "error"]
+    assert [f.name for f in GENERATED_FIELDS][:8] == [
+        "sample_index", "generated_text", "generated_token_ids", "generated_logprobs", "top_logprobs", "num_prompt_tokens",
+        "num_generated_tokens", "finish_reason"]
     assert DEFAULT_DRAFT == "ngram"
 
 

@@ -18,7 +18,7 @@ from raysd.core.sampling import SamplingParams
 from tests.jobs.conftest import kill_group, settled, token_prompts
 from tests.jobs.test_generate import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 ROOT = Path(__file__).resolve().parents[2]
 N_ROWS = 240
@@ -62,8 +62,8 @@ def test_driver_killed_mid_job_then_rerun(tmp_path, model_dirs):
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
-    assert summary["rows"] == N_ROWS and summary["rows_skipped"] == done_before
-    assert summary["rows_this_run"] == N_ROWS - done_before
+    assert summary["rows"] == N_ROWS and summary["latest_run"]["rows_skipped"] == done_before
+    assert summary["latest_run"]["rows"] == N_ROWS - done_before
     assert not (out / "_tmp").exists()
     assert set(killed_parts) <= set(_parts(out))  # the killed run's parts are kept, not rewritten
 

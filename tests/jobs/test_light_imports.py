@@ -1,6 +1,6 @@
 """The Ray Data actors that only move rows import no torch: the id stage's actor and a replica's
 actor unpickle their classes from raysd.jobs.pipeline, and a job's config is checked from names
-alone (raysd.models.names, raysd.core.acceptance). torch and transformers take ~3 s to import
+alone (raysd.models.names, raysd.core.speculation). torch and transformers take ~3 s to import
 on a 2-core machine, paid before the actor's constructor runs."""
 
 from __future__ import annotations

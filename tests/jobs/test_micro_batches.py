@@ -9,7 +9,7 @@ import pytest
 
 import raysd.jobs.profiles as profiles
 from raysd.core.sampling import SamplingParams
-from raysd.engine.adaptive import StepCosts
+from raysd.core.speculation import StepCosts
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.replica import GenerationReplica
 from tests.jobs.conftest import token_prompts
@@ -36,7 +36,7 @@ def run_replica(cfg: GenerateConfig, prompts) -> tuple[int, list[list[int]]]:
     replica = GenerationReplica(cfg)
     try:
         outputs, _ = replica.generate([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
-        return replica.coordinator.config.num_micro_batches, [o["generated_token_ids"] for o in outputs]
+        return replica.coordinator.config.num_micro_batches, [o["generated_token_ids"] for [o] in outputs]  # one sample each
     finally:
         replica.shutdown()
 

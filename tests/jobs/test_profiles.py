@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from raysd.engine.adaptive import StepCosts
 import raysd.jobs.profiles as profiles
+from raysd.core.speculation import StepCosts
 from raysd.jobs.profiles import cached_step_costs
 
 COSTS = StepCosts((1, 4), ((0.010, 0.012, 0.015), (0.02, 0.025, 0.03)), (0.002, 0.003))

@@ -4,7 +4,6 @@ its time goes (seconds per stage, engine occupancy) in the summary and the progr
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -12,7 +11,6 @@ from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig, generate
 from raysd.jobs.pipeline import STAGE_SECONDS, breakdown_text, occupancy, time_breakdown
 from raysd.jobs.runner import progress_text
-from tests.conftest import VOCAB
 from tests.jobs.conftest import token_prompts
 
 STAGES = [name for name, _ in STAGE_SECONDS]
@@ -52,14 +50,19 @@ def test_replica_keeps_its_batch_full_across_blocks(tmp_path, model_dirs, local_
                          batch_size=4, rows_per_file=8, quiet=True)
     summary = generate(cfg)
     assert summary.rows == n and summary.rows_failed == 0
-    tb = summary.time_breakdown
-    print("occupancy", summary.occupancy, tb)
-    assert set(tb) == {*STAGES, "engine_loop", "engine_idle", "occupancy", "drafted_steps"} and tb["occupancy"] == summary.occupancy
+    run = summary.latest_run
+    tb = run.time_breakdown
+    print("occupancy", run.occupancy, tb)
+    assert set(tb) == {*STAGES, "wall", "engine_loop", "engine_idle", "occupancy", "drafted_steps"} and tb["occupancy"] == run.occupancy
+    # The wall as consecutive phases: they add up to the run's wall, nothing left out.
+    phases = tb["wall"]
+    assert list(phases) == ["check", "ray_start", "pipeline_start", "generating", "pipeline_end", "shutdown", "summary"]
+    assert sum(phases.values()) == pytest.approx(run.wall_s, abs=0.01) and phases["generating"] > 0
     assert tb["engine_loop"] >= tb["verify"]  # the loop waits for every step it runs
-    assert summary.occupancy > 0.6
+    assert run.occupancy > 0.6
     assert tb["verify"] > 0 and tb["draft"] > 0 and tb["read"] > 0 and tb["write"] > 0 and tb["queue_wait"] > 0
     written = json.loads((tmp_path / "out" / "_summary.json").read_text())
-    assert written["time_breakdown"] == tb and written["occupancy"] == summary.occupancy
+    assert written["latest_run"]["time_breakdown"] == tb and written["latest_run"]["occupancy"] == run.occupancy
 
     import pyarrow.parquet as pq
 

@@ -36,17 +36,14 @@ def test_the_flag_parses_and_a_chain_keeps_old_fingerprints():
 
 
 def test_the_summary_pools_the_tree_statistics_and_is_null_for_a_chain():
-    from raysd.jobs.runner import JobSummary, _tree_summary
+    from raysd.jobs.runner import pooled
 
     totals = {"rows": 3, "failed": 0, "tokens": 40, "drafted": 70, "accepted": 20, "steps": 10, "branch_accepts": 4}
-    tree = _tree_summary(GenerateConfig(input="i", output="o", draft="m", tree_budget=8), totals)
-    assert tree == {"tree_budget": 8, "mean_nodes_verified": 7.0, "mean_accepted_depth": 2.0, "num_branch_accepts": 4}
-    assert _tree_summary(GenerateConfig(input="i", output="o", draft="m"), totals) == {}
-    chain = JobSummary(output="o", rows=3, rows_this_run=3, rows_skipped=0, rows_failed=0, generated_tokens=40,
-                       wall_s=1.0, tokens_per_s=40.0, draft_acceptance_rate=0.3, mean_acceptance_length=3.0,
-                       overlap_efficiency=None).to_dict()
-    assert [chain[k] for k in ("mean_nodes_verified", "mean_accepted_depth", "num_branch_accepts", "tree_budget")] == [
-        None, None, None, 0]
+    tree = pooled(totals, tree_budget=8)
+    assert tree == {"draft_acceptance_rate": 20 / 70, "mean_acceptance_length": 3.0, "mean_nodes_verified": 7.0,
+                    "mean_accepted_depth": 2.0, "num_branch_accepts": 4}
+    chain = pooled(totals, tree_budget=0)
+    assert [chain[k] for k in ("mean_nodes_verified", "mean_accepted_depth", "num_branch_accepts")] == [None, None, None]
 
 
 @pytest.mark.slow
@@ -67,13 +64,13 @@ def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_r
     assert all(1 < r["mean_nodes_verified"] <= 8 and r["num_branch_accepts"] >= 0 for r in rows)
     # The summary (and _summary.json) pools the same statistics over the written rows.
     steps = sum(r["num_spec_steps"] for r in rows)
-    pooled = {"tree_budget": 8,
-              "mean_nodes_verified": sum(r["num_draft_tokens"] for r in rows) / steps,
+    pooled = {"mean_nodes_verified": sum(r["num_draft_tokens"] for r in rows) / steps,
               "mean_accepted_depth": sum(r["num_accepted_draft_tokens"] for r in rows) / steps,
               "num_branch_accepts": sum(r["num_branch_accepts"] for r in rows)}
     written = json.loads((tmp_path / "out" / "_summary.json").read_text())
-    for got in (summary.to_dict(), written):
+    for got in (summary.to_dict(), written, written["latest_run"]):  # the whole output, and its one run
         assert {k: got[k] for k in pooled} == pytest.approx(pooled)
+    assert summary.tree_budget == written["tree_budget"] == 8
     assert summary.mean_accepted_depth == pytest.approx(summary.mean_acceptance_length - 1)
 
 

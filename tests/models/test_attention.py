@@ -7,7 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from raysd.models.attention import PACKED_SDPA, packed_gqa, packed_gqa_attention
-from raysd.models.static_runner import StaticModelRunner
+from raysd.models.static_runner import StaticRunner
 from tests.conftest import tiny_model
 
 
@@ -49,11 +49,11 @@ def test_switch_applies_inside_and_restores_the_config_even_on_error():
 
 
 def test_static_runner_verify_chunk_logits_unchanged_by_packing():
-    """A K + 1 chunk after a prompt, through StaticModelRunner, against the model's own forward."""
+    """A K + 1 chunk after a prompt, through StaticRunner, against the model's own forward."""
     model = tiny_model("llama", seed=3)
     g = torch.Generator().manual_seed(0)
     prompt, chunk = torch.randint(3, 96, (2, 9), generator=g), torch.randint(3, 96, (2, 5), generator=g)
-    runner = StaticModelRunner(model)
+    runner = StaticRunner(model)
     runner.add_rows(2)
     runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(2, dtype=torch.int64), max_logits=1)  # the prompts
     got = runner.forward(chunk, torch.ones_like(chunk, dtype=torch.bool), torch.full((2,), 5), max_logits=5)  # (B, 5, V)

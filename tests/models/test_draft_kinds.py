@@ -9,8 +9,8 @@ from raysd.models.layer_draft import CONFIG_FILE
 
 
 def test_draft_kind_of_each_name(tmp_path):
-    assert set(DRAFT_KINDS) == {"none", "ngram", "model", "layers", "eagle"}
-    assert draft_kind("none") == "none" and draft_kind("ngram") == "ngram"
+    assert set(DRAFT_KINDS) == {"none", "ngram", "suffix", "model", "layers", "eagle"}
+    assert draft_kind("none") == "none" and draft_kind("ngram") == "ngram" and draft_kind("suffix") == "suffix"
     assert draft_kind(DEFAULT_DRAFT) == "layers"
     assert draft_kind("HuggingFaceTB/SmolLM2-135M-Instruct") == "model"
     assert draft_kind(str(tmp_path)) == "model"

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
+from raysd.models.dynamic_runner import DynamicRunner
 from raysd.models.linear import ROW_BUCKETS, model_linears, use_packed
-from raysd.models.runner import ModelRunner
-from raysd.models.static_runner import StaticModelRunner
+from raysd.models.static_runner import StaticRunner
 from tests.conftest import EOS, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
@@ -112,7 +113,7 @@ def test_auto_is_float32_on_a_cpu_and_packed_refuses_anything_else_in_one_line()
         use_packed(model, "fast")
 
 
-@pytest.mark.parametrize("runner_cls", [StaticModelRunner, ModelRunner])
+@pytest.mark.parametrize("runner_cls", [StaticRunner, DynamicRunner])
 def test_runner_logits_with_packed_kernels_equal_stock(runner_cls):
     """A prompt, then K + 1 = 5 tokens, then 1 token per row, through a runner on each kernel kind."""
     model = tiny_model("llama", seed=5, vocab=WIDE_VOCAB)
@@ -141,8 +142,8 @@ def test_engine_greedy_on_packed_kernels_equals_target_generate(runner):
     for batch in (1, 4):
         for drafter in (DraftModelDrafter(tiny_model("llama", seed=8, layers=1, vocab=WIDE_VOCAB), WIDE_VOCAB, runner=runner),
                         NgramDrafter(WIDE_VOCAB)):
-            config = EngineConfig(num_speculative_tokens=3, max_batch_size=batch, eos_token_ids=(EOS,), runner=runner,
-                                  linear_kernels="packed")
+            speculation = SpeculationConfig(num_speculative_tokens=3, eos_token_ids=(EOS,))
+            config = EngineConfig(speculation, max_batch_size=batch, runner=runner, linear_kernels="packed")
             engine = SpecEngine(target, drafter, config)
             results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=16)) for i, p in enumerate(prompts)])
             assert [r.token_ids for r in results] == expected

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import raysd.models.profile as profile
-from raysd.models.runner import ModelRunner
-from raysd.models.static_runner import StaticModelRunner
+from raysd.models.dynamic_runner import DynamicRunner
+from raysd.models.static_runner import StaticRunner
 from tests.conftest import VOCAB, tiny_model
 
 
@@ -36,8 +36,8 @@ def test_profiles_time_the_runner_the_engine_runs():
     """"auto" is the static runner for a Llama-family model, as in the engine and the actors (its
     verify costs differently per extra token than Hugging Face's DynamicCache); each kind can be asked."""
     model = tiny_model("llama", 0)
-    assert isinstance(profile._prefilled_runner(model, 2, 8, VOCAB, "auto"), StaticModelRunner)
-    assert isinstance(profile._prefilled_runner(model, 2, 8, VOCAB, "dynamic"), ModelRunner)
+    assert isinstance(profile._prefilled_runner(model, 2, 8, VOCAB, "auto"), StaticRunner)
+    assert isinstance(profile._prefilled_runner(model, 2, 8, VOCAB, "dynamic"), DynamicRunner)
     for kind in ("static", "dynamic"):
         times = profile.time_forward(model, 2, [0, 2], context=8, reps=1, runner=kind)
         assert set(times) == {0, 2} and all(t > 0 for t in times.values())

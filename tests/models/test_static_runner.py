@@ -1,10 +1,10 @@
-"""StaticModelRunner (one preallocated slot per row) against the same oracle as ModelRunner:
+"""StaticRunner (one preallocated slot per row) against the same oracle as DynamicRunner:
 each row's logits equal a fresh, unpadded, batch-of-one forward over the row's history,
 whatever was done to the cache (ragged chunks, rollback by moving lengths, select,
 add_rows, add_prefilled, buffer growth).
 
-Most scenarios are tests/models/test_runner.py's own, run with StaticModelRunner in place
-of ModelRunner (its mask-layout checks do not apply: a slot runner has no mask); the rest
+Most scenarios are tests/models/test_dynamic_runner.py's own, run with StaticRunner in place
+of DynamicRunner (its mask-layout checks do not apply: a slot runner has no mask); the rest
 are specific to the slot layout.
 """
 
@@ -15,16 +15,17 @@ import random
 import pytest
 import torch
 
-import tests.models.test_runner as base
+import tests.models.test_dynamic_runner as base
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
-from raysd.models.runner import ModelRunner
-from raysd.models.runners import make_runner
-from raysd.models.static_runner import PREFILL_CALL_TOKENS, StaticModelRunner, prefill_groups
+from raysd.engine.requests import Request
+from raysd.models.dynamic_runner import DynamicRunner
+from raysd.models.runner import make_runner
+from raysd.models.static_runner import PREFILL_CALL_TOKENS, StaticRunner, prefill_groups
 from tests.conftest import EOS, VOCAB, tiny_model
-from tests.models.test_runner import assert_rows_match, random_tokens, right_aligned
+from tests.models.test_dynamic_runner import assert_rows_match, random_tokens, right_aligned
 
 ARCHS = ["llama", "qwen2"]
 
@@ -57,15 +58,15 @@ def _sane(runner, lengths=None, packed=False):
 @pytest.mark.parametrize("max_cache_len", [4, 512])  # 4: the buffers grow many times
 @pytest.mark.parametrize("name", REUSED)
 def test_runner_scenarios_with_a_static_cache(model, name, max_cache_len, monkeypatch):
-    static = functools.partial(StaticModelRunner, max_cache_len=max_cache_len, checks=True, width_bucket=8)
-    monkeypatch.setattr(base, "ModelRunner", lambda model, repack_fraction=None: static(model))
+    static = functools.partial(StaticRunner, max_cache_len=max_cache_len, checks=True, width_bucket=8)
+    monkeypatch.setattr(base, "DynamicRunner", lambda model, repack_fraction=None: static(model))
     monkeypatch.setattr(base, "assert_cache_sane", _sane)
     getattr(base, name)(model, **({"repack": 1e9} if name == "test_rollback_to_arbitrary_lengths_then_feed" else {}))
 
 
 def test_rollback_moves_lengths_and_select_copies_only_moved_rows(model):
     rng = random.Random(11)
-    runner = StaticModelRunner(model, max_cache_len=64, checks=True)
+    runner = StaticRunner(model, max_cache_len=64, checks=True)
     runner.add_rows(4)
     hist = [random_tokens(rng, n) for n in (5, 2, 7, 4)]
     runner.forward(*right_aligned(hist), torch.ones(4, dtype=torch.int64))
@@ -93,7 +94,7 @@ def test_rollback_moves_lengths_and_select_copies_only_moved_rows(model):
 
 def test_add_prefilled_runs_only_the_new_slots_and_buffers_grow(model):
     rng = random.Random(12)
-    runner2 = StaticModelRunner(model, max_cache_len=4, checks=True, width_bucket=4)
+    runner2 = StaticRunner(model, max_cache_len=4, checks=True, width_bucket=4)
     hist = [random_tokens(rng, 3), []]
     runner2.add_prefilled(hist)
     old = runner2._layers()[0].keys[0, :, :3].clone()
@@ -125,7 +126,7 @@ def test_prefill_groups_minimise_padding_plus_a_cost_per_forward():
 def test_add_prefilled_in_several_forwards_keeps_every_row_exact(model):
     """Prompts of very different lengths go in separate forwards; each row's cache is still its own prompt's."""
     rng = random.Random(5)
-    runner = StaticModelRunner(model, checks=True, width_bucket=8)
+    runner = StaticRunner(model, checks=True, width_bucket=8)
     runner.add_prefilled([random_tokens(rng, 4)])
     hist = [random_tokens(rng, n) for n in (3, 90, 2, 70, 1, 0)]
     assert len(prefill_groups([len(h) for h in hist])) > 1
@@ -137,11 +138,11 @@ def test_add_prefilled_in_several_forwards_keeps_every_row_exact(model):
 
 
 def test_make_runner_picks_static_for_llama_family_and_refuses_quietly_nothing():
-    assert isinstance(make_runner(tiny_model("llama")), StaticModelRunner)
-    assert isinstance(make_runner(tiny_model("qwen2")), StaticModelRunner)
-    assert isinstance(make_runner(tiny_model("gpt2")), ModelRunner)
-    assert isinstance(make_runner(tiny_model("llama"), "dynamic"), ModelRunner)
-    with pytest.raises(ValueError, match="StaticModelRunner supports"):
+    assert isinstance(make_runner(tiny_model("llama")), StaticRunner)
+    assert isinstance(make_runner(tiny_model("qwen2")), StaticRunner)
+    assert isinstance(make_runner(tiny_model("gpt2")), DynamicRunner)
+    assert isinstance(make_runner(tiny_model("llama"), "dynamic"), DynamicRunner)
+    with pytest.raises(ValueError, match="StaticRunner supports"):
         make_runner(tiny_model("gpt2"), "static")
     with pytest.raises(ValueError, match="runner must be one of"):
         make_runner(tiny_model("llama"), "fast")
@@ -149,8 +150,9 @@ def test_make_runner_picks_static_for_llama_family_and_refuses_quietly_nothing()
 
 def test_engine_with_static_runners_matches_hf_greedy():
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=3, layers=1)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"), EngineConfig(4, 3, (EOS,), runner="static"))
-    assert isinstance(engine.verifier.seqs.runner, StaticModelRunner)
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"), EngineConfig(speculation, max_batch_size=3, runner="static"))
+    assert isinstance(engine.target.rows.runner, StaticRunner)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 1, 12, 3, 7)]
     results = engine.generate([Request(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
@@ -164,7 +166,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
     """torch.compile / CUDA-graph readiness: dynamo captures a whole verification step
     (`_device_step`: columns, mask, the Llama over the static cache, the logits gather)
     with no graph break, and later steps (other lengths, rollbacks in between, within one
-    attended width) reuse that graph: static shapes. (ModelRunner's DynamicCache also
+    attended width) reuse that graph: static shapes. (DynamicRunner's DynamicCache also
     traces without a break, but its cache grows every step: new shapes, new buffers, so
     neither a fixed compiled graph nor a CUDA graph can be reused.) The runners here run stock
     linears: the prepacked CPU kernels (raysd.models.linear) are an eager path, off under
@@ -172,7 +174,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
     import torch._dynamo as dynamo
 
     model = tiny_model("llama", seed=0)
-    runner = StaticModelRunner(model, max_cache_len=64, linear_kernels="stock")
+    runner = StaticRunner(model, max_cache_len=64, linear_kernels="stock")
     runner.add_rows(4)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, VOCAB, (4, 8), generator=g)
@@ -207,7 +209,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
         dynamo.reset()
         return counts
 
-    assert graphs_over_steps(lambda: StaticModelRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # prefill + one decode graph
+    assert graphs_over_steps(lambda: StaticRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # prefill + one decode graph
 
 
 @pytest.mark.skipif(os.environ.get("RAYSD_COMPILE_TESTS") != "1", reason="inductor compile takes minutes on a CPU; RAYSD_COMPILE_TESTS=1")
@@ -225,8 +227,8 @@ def test_torch_compile_of_the_static_runner_matches_eager():
             runner.rollback(runner.lengths - 2)
         return out
 
-    eager = run(StaticModelRunner(model, max_cache_len=64))
-    compiled = run(StaticModelRunner(model, max_cache_len=64, compile=True))
+    eager = run(StaticRunner(model, max_cache_len=64))
+    compiled = run(StaticRunner(model, max_cache_len=64, compile=True))
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
@@ -235,7 +237,7 @@ def test_a_tree_of_drafts_in_one_forward_then_one_branch_kept(model):
     """forward_tree: every node's logits equal an unpadded forward over context + its path;
     keep_path: the cache then holds exactly context + the kept branch."""
     rng = random.Random(21)
-    runner = StaticModelRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
+    runner = StaticRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
     hist = [random_tokens(rng, n) for n in (5, 2, 7)]
     runner.add_prefilled(hist)
     trees = [[-1, -1, 0, 0, 1, 3], [-1, 0, 1], [-1, -1, -1, 2]]  # chunk-local parents, per row
@@ -266,7 +268,7 @@ def test_a_tree_fed_level_by_level_gives_the_logits_of_one_forward(model):
     level) gives every node the logits of an unpadded forward over context + its path, and
     keep_path then keeps a branch that spans the calls."""
     rng = random.Random(22)
-    runner = StaticModelRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
+    runner = StaticRunner(model, max_cache_len=8, checks=True, width_bucket=8)  # small: buffers grow
     hist = [random_tokens(rng, n) for n in (4, 6)]
     runner.add_prefilled(hist)
     ups = [-1, -1, 0, 0, 1, 2, 3]  # breadth first: levels [0, 2), [2, 5), [5, 7)

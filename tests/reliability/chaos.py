@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,13 @@ class JobThread(threading.Thread):
         finally:
             pipeline.start_job_stats = start_job_stats
 
+    def why(self) -> str:
+        """What the job raised, with every cause (a Ray Data UDF failure wraps the actor's own
+        exception and its remote traceback): a failed test says what failed, not only where."""
+        if self.error is None:
+            return "no error"
+        return "".join(traceback.format_exception(self.error))
+
     def totals(self) -> dict:
         """The job's JobStats totals so far ({} before it exists or when it cannot answer)."""
         import ray
@@ -189,7 +197,7 @@ def wait_for(condition, job: JobThread, what: str, timeout: float = 300) -> None
     """Poll `condition()` until true while the job runs (a mid-job fault needs a running job)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert job.is_alive(), f"the job ended before {what}: {job.error!r}"
+        assert job.is_alive(), f"the job ended before {what}: {job.why()}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 
@@ -205,7 +213,7 @@ def kill_actor_mid_job(cfg, fault: str, min_rows_written: int = 1, timeout: floa
     outcome = Outcome(fault, rows_in=0)
     victim = VICTIMS[fault]
     while True:
-        assert job.is_alive(), f"the job ended before the {fault} kill: {job.error!r}"
+        assert job.is_alive(), f"the job ended before the {fault} kill: {job.why()}"
         assert time.monotonic() - start < timeout, "no rows written in time"
         pids = alive_pids(victim)
         if pids and part_rows(out) >= min_rows_written:
@@ -280,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
     import tempfile
 
-    import ray
 
     from raysd.core.sampling import SamplingParams
     from raysd.jobs import GenerateConfig
@@ -580,10 +587,10 @@ def soak_main(a, root: Path, inp: Path, expected: dict, target: Path, draft: Pat
                 before = part_rows(out)
                 job = soak.run_job(args, root / f"driver-{round_no}-{reruns}", 0, (0, 0), timeout_s=a.job_timeout_s)[2]
                 error = job.error
-                s = job.summary or {}
+                s = (job.summary or {}).get("latest_run") or {}
                 attempts.append({"kills": 0, "error": error, "wall_s": job.wall_s, "rows_in_parts_before": before,
-                                 "rows_this_run": s.get("rows_this_run"), "rows_skipped": s.get("rows_skipped"),
-                                 "resumed": error is None and s.get("rows_this_run") == len(expected) - before})
+                                 "rows_this_run": s.get("rows"), "rows_skipped": s.get("rows_skipped"),
+                                 "resumed": error is None and s.get("rows") == len(expected) - before})
             o = compare(Outcome("soak", len(expected)), read_rows(out), "key", expected)
             record = {"round": round_no, "kills": [k["victim"] for k in made], "missed": missed, "survived": reruns == 0,
                       "reruns": reruns, "failed": error, "errors": rerun_errors, "attempts": attempts,

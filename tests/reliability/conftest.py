@@ -3,15 +3,11 @@ tokenizer with a chat template built in-process (no download), and one local Ray
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
-import ray
 
 from tests.conftest import EOS, VOCAB, tiny_model
-from raysd.actors.local import start_local_ray
 
 # The tiny tokenizer: 4 specials, then plain words; anything else is <unk>.
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -50,18 +46,6 @@ def model_dirs(tmp_path_factory):
     tiny_tokenizer().save_pretrained(tok_target)
     assert EOS == 2
     return str(target), str(draft), str(tok_target)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # address="local": a fresh Ray even when /tmp/ray records a stale `ray start` head.
-    started = False
-    if not ray.is_initialized():
-        start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)
-        started = True
-    yield
-    if started:
-        ray.shutdown()
 
 
 def read_rows(out) -> list[dict]:

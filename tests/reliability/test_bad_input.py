@@ -11,7 +11,6 @@ else, and no row is lost. Then a few end-to-end jobs take the nastiest inputs th
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pyarrow as pa
@@ -20,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from raysd.engine.rows import Request, request_error
+from raysd.engine.requests import Request, request_error
 from raysd.jobs import GenerateConfig, JobError
 from raysd.jobs.io import open_input
 from raysd.jobs.pipeline import ID_ERROR, AssignIds, internal_schema

@@ -20,10 +20,10 @@ from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig
 from tests.jobs.conftest import token_prompts
 from tests.jobs.test_generate import reference
-from tests.reliability.chaos import Outcome, compare, kill_actor_mid_job, kill_driver_mid_job, part_rows
+from tests.reliability.chaos import Outcome, compare, kill_actor_mid_job, kill_driver_mid_job
 from tests.reliability.conftest import read_rows
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # 64 rows: 16 blocks of 4, so the first part lands well before the job ends (with 32 a fast run
 # could finish before the kill saw one, and the kill would find no job to hit).
@@ -68,9 +68,9 @@ def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
     got = kill_driver_mid_job(args, out)
     in_parts = got["in_parts"]
     assert 0 < in_parts < N_ROWS
-    rerun = got["rerun"]
-    assert rerun["rows"] == N_ROWS and rerun["rows_skipped"] == in_parts and rerun["rows_this_run"] == N_ROWS - in_parts
-    # No row of a complete part was generated again (rows_this_run above). The work the kill threw
+    rerun = got["rerun"]["latest_run"]
+    assert got["rerun"]["rows"] == N_ROWS and rerun["rows_skipped"] == in_parts and rerun["rows"] == N_ROWS - in_parts
+    # No row of a complete part was generated again (the re-run's rows above). The work the kill threw
     # away is the rows generated but not yet in a part: the rows in flight, which are generated
     # again. It is NOT bounded by --rows-per-file: Ray Data queues finished blocks between the
     # generation stage and the write tasks (see docs/reliability.md); it is bounded by the input.
@@ -97,7 +97,8 @@ def test_id_stage_is_never_restarted(job_input, local_ray, tmp_path):
 
     inp, _ = job_input
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), draft="ngram")  # ids from positions
-    source, _, schema = check_job(cfg)
+    job = check_job(cfg)
+    source, schema = job.source, job.schema
     from ray.util.annotations import RayDeprecationWarning
 
     with warnings.catch_warnings(record=True) as caught:
@@ -144,8 +145,8 @@ def test_no_pipeline_stage_asks_for_a_cpu(job_input, local_ray, tmp_path):
 
     inp, _ = job_input
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), draft="ngram")
-    source, _, schema = check_job(cfg)
-    op, cpus = build_dataset(source, cfg, schema, set())._logical_plan.dag, {}
+    job = check_job(cfg)
+    op, cpus = build_dataset(job.source, cfg, job.schema, set())._logical_plan.dag, {}
     while op is not None:
         cpus[type(op).__name__ + ":" + op.name] = op.ray_remote_args.get("num_cpus")
         op = op.input_dependencies[0] if op.input_dependencies else None

@@ -193,4 +193,4 @@ def test_part_names_never_come_from_data(tmp_path):
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert all(p.parent in (out, out / "_tmp") for p in written), written
     assert [p.name for p in written if p.parent == out] == [f"part-{sink.run_id}-000000.parquet"]
-    assert OutputStore(str(out)).done_ids("id") == {r["id"] for r in rows}
+    assert OutputStore(str(out)).done_samples("id") == {r["id"]: {0} for r in rows}

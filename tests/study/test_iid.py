@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.core.theory import expected_tokens_per_step, truncated_geometric_pmf
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.requests import Request
 from raysd.study.toy import fixed_distribution_llama, next_token_probs
 from tests.core.test_distribution import tv_tolerance
 
@@ -31,7 +32,8 @@ def toy_pair(noise: float):
 def test_iid_acceptance_matches_theory(noise, k):
     target, draft, a = toy_pair(noise)
     assert 0.3 < a < 0.95
-    engine = SpecEngine(target, DraftModelDrafter(draft, V), EngineConfig(num_speculative_tokens=k, max_batch_size=64))
+    speculation = SpeculationConfig(num_speculative_tokens=k)
+    engine = SpecEngine(target, DraftModelDrafter(draft, V), EngineConfig(speculation, max_batch_size=64))
     params = [SamplingParams(temperature=1.0, max_new_tokens=240, ignore_eos=True, seed=i) for i in range(64)]
     results = engine.generate([Request(i, [1 + i % 5, 3], p) for i, p in enumerate(params)])
 

@@ -14,9 +14,10 @@ import pytest
 from raysd.cli import main
 from raysd.core import theory
 from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter
-from raysd.engine.engine import EngineConfig, LossyAcceptanceWarning, SpecEngine
-from raysd.engine.rows import Request
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.requests import LossyAcceptanceWarning, Request
 from raysd.study.sweep import Pool, StudyConfig
 from tests.study.conftest import save_tiny_pair, write_token_prompts
 from tests.study.test_iid import V, toy_pair
@@ -31,8 +32,9 @@ def test_relaxed_iid_rejection_rate_is_on_the_front(lam):
     k, tv = 3, 1.0 - a
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossyAcceptanceWarning)
+        speculation = SpeculationConfig(num_speculative_tokens=k, acceptance=f"relaxed:{lam}")
         engine = SpecEngine(target, DraftModelDrafter(draft, V),
-                            EngineConfig(num_speculative_tokens=k, max_batch_size=32, acceptance=f"relaxed:{lam}"))
+                            EngineConfig(speculation, max_batch_size=32))
     params = [SamplingParams(temperature=1.0, max_new_tokens=160, ignore_eos=True, seed=i) for i in range(32)]
     results = engine.generate([Request(i, [1 + i % 5, 3], p) for i, p in enumerate(params)])
     assert {r.acceptance for r in results} == {f"relaxed:{lam}"}

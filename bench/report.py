@@ -1,0 +1,156 @@
+"""`python -m bench report`: docs/performance.md, generated from bench/performance.toml (which
+result file feeds which table) and the result files it names.
+
+Every table says where its figures come from: the file, the machine (CPU, cores, SIMD, torch
+threads), the date (a `python -m bench run` file's own; an old file's first commit), the load
+average, and the command that reproduces it. The page must stay under MAX_LINES, so a user reads
+it in a minute; the chronological log is docs/history/benchmarks.md.
+
+    python -m bench report                      # rewrite docs/performance.md
+    python -m bench report --check              # exit 1 if the page is not what the manifest gives
+    python -m bench report --manifest M --out P # another manifest or page (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+from bench import environment, legacy, record
+from bench.legacy import fmt
+from bench.measure import DEFINITIONS
+
+ROOT = environment.ROOT
+MANIFEST = ROOT / "bench" / "performance.toml"
+PAGE = ROOT / "docs" / "performance.md"
+MAX_LINES = 150
+COLUMNS = (  # (figure, header, digits) of a `python -m bench run` result's table, in this order
+    ("tokens_per_s", "tok/s", 1), ("acceptance_rate", "acceptance", 2), ("alpha", "alpha", 2),
+    ("mean_acceptance_length", "tokens/pass", 2), ("mean_k_offered", "mean K", 2), ("occupancy", "occupancy", 2),
+    ("step_s", "step ms", 2), ("decode_tokens_per_s", "decode tok/s", 1), ("mean_accepted_per_step", "accepted/step", 2))
+
+
+RATIOS = {"tokens_per_s": "tok/s", "decode_tokens_per_s": "decode tok/s", "step_s": "step"}
+
+
+def variants_table(result: dict, only: list[str] | None = None) -> list[str]:
+    """A result's variants as a markdown table: medians, and ratios to each variant's baseline."""
+    variants = [v for v in result["variants"] if only is None or v["name"] in only]
+    cols = [c for c in COLUMNS if any(v["median"].get(c[0]) is not None for v in variants)]
+    ratio_keys = [k for k in RATIOS if any(k in v.get("ratio", {}) for v in variants)]
+    heads = ["variant"] + [h for _, h, _ in cols] + [f"{RATIOS[k]} / baseline (paired)" for k in ratio_keys] + ["runs"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for v in variants:
+        m = v["median"]
+        cells = [v["name"]] + [fmt(m.get(k) * 1e3 if k == "step_s" and m.get(k) is not None else m.get(k), d) for k, _, d in cols]
+        cells += [fmt(v.get("ratio", {}).get(k, {}).get("median")) for k in ratio_keys]
+        lines.append("| " + " | ".join(cells + [str(len(v["runs"]))]) + " |")
+    return lines
+
+
+def machine_text(m: dict) -> str:
+    simd = "/".join(s.upper() for s in m.get("simd", [])) or "no SIMD flags recorded"
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {simd}, torch threads {m.get('torch_threads', '?')}{gpu}"
+
+
+def load_text(before, after, during=None) -> str:
+    """The 1-minute load average: at the start (or its range during the runs) and at the end."""
+    if before is not None:
+        return f"load {fmt(before, 2)} at the start, {fmt(after, 2)} at the end"
+    if during is not None:
+        return f"load {fmt(during[0], 2)}-{fmt(during[1], 2)} during the runs, {fmt(after, 2)} at the end"
+    return f"load {fmt(after, 2)} at the end (not recorded at the start)"
+
+
+def bench_table(entry: dict) -> list[str]:
+    path = entry["files"][0]["path"]
+    r = record.read(ROOT / path)
+    v = r["versions"]
+    out = [f"`{path}`: {machine_text(r['machine'])}; measured {r['date_utc']}; "
+           f"{load_text(r['load_average']['before'][0], r['load_average']['after'][0])}; torch {v['torch']}, "
+           f"transformers {v['transformers']}, commit {str(v['raysd_commit'])[:12]}"
+           + ("; **--quick: not a measurement**" if r["quick"] else "") + ".", ""]
+    out += variants_table(r, entry.get("variants"))
+    return out + ["", f"Reproduce: `{r['command']}`."]
+
+
+def legacy_table(entry: dict) -> list[str]:
+    adapter = legacy.ADAPTERS[entry["format"].split(":", 1)[1]]
+    heads, rows, out = None, [], []
+    for f in entry["files"]:
+        data = json.loads((ROOT / f["path"]).read_text())
+        h, rs = adapter(data, f.get("only", {}))
+        heads, rows = heads or h, rows + rs
+        m = legacy.meta(data)
+        out.append(f"`{f['path']}` (committed {environment.git_date(ROOT / f['path']) or '?'}; the file has no date): "
+                   f"{machine_text(m['machine'])}; torch {m['machine'].get('torch', '?')}, transformers "
+                   f"{m['machine'].get('transformers', '?')}; {load_text(*m['load'], m['during'])}.")
+    out += ["", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return out + ["", f"Measured with `{entry['measured_with']}` (a script since removed); on the current code: "
+                      f"`{entry['reproduce']}`."]
+
+
+def smoke_table(pattern: str) -> list[str]:
+    files = sorted(glob.glob(str(ROOT / pattern)))
+    if not files:
+        return ["None yet."]
+    lines = ["| scenario | command | date (UTC) | machine | s | checks |", "|---|---|---|---|---|---|"]
+    for path in files:
+        r = record.read(path)
+        ok = all(c.get("ok", True) for c in r["checks"].values())
+        m = r["machine"]
+        lines.append(f"| {r['scenario']} | `{r['command']}` | {r['date_utc'][:16]} | {m['cpu']}, {m['cores']} cores, "
+                     f"load {fmt(r['load_average']['before'][0])} | {r['elapsed_s']:.0f} | {'ok' if ok else 'FAILED'} |")
+    return lines
+
+
+def render(manifest: dict) -> str:
+    page = manifest["page"]
+    lines = ["# Performance", "", "<!-- Generated by `python -m bench report` from bench/performance.toml and the result "
+             "files it names; edit those, not this page. -->", "", page["intro"].strip(), "",
+             "Every figure is defined once, in `bench/measure.py`:", ""]
+    lines += [f"- {name}: {DEFINITIONS[k]}" for k, name in (("tokens_per_s", "tokens/s"), ("acceptance_rate", "acceptance"),
+              ("alpha", "alpha"), ("mean_acceptance_length", "tokens/pass"), ("ratio", "ratios"))]
+    for section in ("CPU", "GPU"):
+        lines += ["", f"## {section}"]
+        entries = [t for t in manifest.get("table", []) if t["section"] == section]
+        if not entries:
+            lines += ["", page[f"no_{section.lower()}"].strip()]
+        for t in entries:
+            lines += ["", f"### {t['title']}", ""]
+            lines += bench_table(t) if t["format"] == "bench" else legacy_table(t)
+            if t.get("note"):
+                lines += [t["note"].strip()]
+    lines += ["", "## Not measured yet", ""] + [f"- {x.strip()}" for x in page["not_measured"]]
+    lines += ["", "## Smoke runs of the current code", "", page["smoke_intro"].strip(), ""]
+    lines += smoke_table(page["smoke"])
+    text = "\n".join(lines) + "\n"
+    if text.count("\n") > MAX_LINES:
+        raise ValueError(f"the page has {text.count(chr(10))} lines, over {MAX_LINES}: trim the manifest")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--manifest", default=str(MANIFEST))
+    p.add_argument("--out", default=str(PAGE))
+    p.add_argument("--check", action="store_true", help="exit 1 if --out differs from what the manifest gives")
+    a = p.parse_args(argv)
+    text = render(tomllib.loads(Path(a.manifest).read_text()))
+    if a.check:
+        same = Path(a.out).is_file() and Path(a.out).read_text() == text
+        print(f"{a.out} is {'current' if same else 'STALE: run python -m bench report'}")
+        return 0 if same else 1
+    Path(a.out).write_text(text)
+    print(f"wrote {a.out} ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

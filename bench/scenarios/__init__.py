@@ -1,0 +1,1 @@
+"""One module per scenario (see bench.registry for what a module provides)."""

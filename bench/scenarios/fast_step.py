@@ -1,0 +1,214 @@
+"""fast_step: what raysd adds per step and per job when a step takes milliseconds, as on a GPU.
+
+On a GPU an 8B target's decode step takes ~5-10 ms; the embedded SmolLM2 takes 60-300 ms here,
+which hides what the actors and Ray Data cost. This scenario builds (once per run, in a
+temporary directory) a random Llama target of hidden 256, 4 layers, vocabulary 8192, float32,
+whose step costs a few milliseconds on this CPU, and a 1-layer draft of the same shape;
+token-id prompts of 16-64 random tokens; greedy, no EOS (every row makes --max-new-tokens).
+
+    engine     SpecEngine.generate over every prompt (max_batch_size = B), models loaded first (untimed
+               for tokens/s; `with_load_s` includes them)
+    actors     a SpecCoordinator as a job's replica builds it (same resources), its generate; timed
+               from its construction (actors and models) and without (`generate_s`)
+    pipeline   raysd.jobs.runner.generate on a JSON Lines file of the prompts: its summary's wall,
+               and the wall's phases (time_breakdown["wall"])
+
+Reported per variant: tokens/s (of the whole call on each side, the models' load excluded on the
+engine side, included on the others, as a user pays it), and:
+    per_step_overhead_us  (this side's generate seconds - the engine's) / the engine's steps, paired
+                          per repeat: what the side adds per step (actors: `generate_s`; pipeline:
+                          its `generating` phase)
+    fixed_s               the pipeline's wall less its `generating` phase: Ray, actors, models, first
+                          block, last write, shutdown
+
+    python -m bench run fast_step                                  # 256 prompts x 128 tokens, B = 8 and 32
+    python -m bench run fast_step --drafters none,draft:4,draft:auto --batch-sizes 8
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import tempfile
+import time
+
+from bench.harness import Outcome, Variant, run_variants
+from bench.measure import Counts, figures
+from bench.workload import int_list, str_list
+
+QUICK = {"prompts": 8, "max_new_tokens": 8, "batch_sizes": [4], "repeats": 1, "drafters": ["none", "draft:4"]}
+SIDES = ("engine", "actors", "pipeline")
+SHAPE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 2048}
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("fast_step")
+    g.add_argument("--prompts", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--batch-sizes", type=int_list, default=[8, 32])
+    g.add_argument("--drafters", type=str_list, default=["none", "draft:4"],
+                   help="none, draft:K (the 1-layer draft, K a number or auto), ngram:K, suffix:K")
+    g.add_argument("--sides", type=str_list, default=list(SIDES), help=f"any of {', '.join(SIDES)}")
+
+
+def build_models(root: str) -> tuple[str, str]:
+    """The target (4 layers) and the draft (1 layer), random, saved as safetensors under `root`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    paths = []
+    for name, layers, seed in (("target", 4, 0), ("draft", 1, 1)):
+        torch.manual_seed(seed)
+        # No EOS: every side (the engine, and a job, which has no flag to ignore it) makes max_new_tokens per row.
+        config = LlamaConfig(num_hidden_layers=layers, bos_token_id=None, eos_token_id=None, pad_token_id=0, **SHAPE)
+        path = os.path.join(root, name)
+        LlamaForCausalLM(config).eval().save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def parse_drafter(text: str, draft_dir: str) -> tuple[str, str, int | str]:
+    """(label, --draft value, K): "none", "draft:4" (the 1-layer draft), "ngram:auto", "suffix:4"."""
+    name, _, k = text.partition(":")
+    if name == "none":
+        return "none", "none", 0
+    return f"{name} K={k or 4}", draft_dir if name == "draft" else name, k if k == "auto" else int(k or 4)
+
+
+def job_config(target: str, draft: str, k, batch: int, max_new: int, **paths):
+    from raysd.jobs.config import GenerateConfig
+
+    cfg = GenerateConfig(input=paths.get("input", "-"), output=paths.get("output", "-"), target=target, draft=draft,
+                         num_speculative_tokens=None if draft == "none" else k, max_new_tokens=max_new, batch_size=batch,
+                         quiet=True, overwrite=True)
+    return cfg.resolve_actor_cpus(os.cpu_count())  # as a job resolves --num-cpus-per-actor auto on its own Ray
+
+
+def requests(prompts, max_new: int):
+    from raysd.core.sampling import SamplingParams
+    from raysd.engine.requests import Request
+
+    params = SamplingParams(max_new_tokens=max_new)
+    return [Request(str(i), p, params) for i, p in enumerate(prompts)]
+
+
+def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
+    import torch
+
+    from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+    from raysd.engine.engine import EngineConfig, SpecEngine
+    from raysd.engine.suffix import SuffixDrafter
+    from raysd.models.loading import ModelSpec, load_model
+
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens)
+    torch.set_num_threads(int(cfg.actor_cpus[0]))  # what the job's target actor gets
+    start = time.perf_counter()
+    target = load_model(ModelSpec(target_dir))
+    V = target.config.vocab_size
+    drafter = (NoDrafter(V) if draft == "none" else NgramDrafter(V) if draft == "ngram" else SuffixDrafter(V)
+               if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft)), V))
+    engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch))
+    loaded = time.perf_counter()
+    with torch.inference_mode():
+        results = engine.generate(requests(prompts, a.max_new_tokens))
+    end = time.perf_counter()
+    return figures(Counts.of_results(results), end - loaded, timed="SpecEngine.generate", with_load_s=end - start,
+                   generate_s=end - loaded, steps=engine.timings.steps,
+                   _rows={str(r.request_id): list(r.token_ids) for r in results})
+
+
+def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
+    import ray
+
+    from raysd.actors.local import start_local_ray
+    from raysd.jobs.replica import GenerationReplica
+
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens)
+    start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False)  # untimed
+    try:
+        start = time.perf_counter()
+        replica = GenerationReplica(cfg)  # the job's own coordinator, actors, micro-batches and K (no Ray Data)
+        try:
+            built = time.perf_counter()
+            per_prompt, report = replica.generate([{"id": str(i), "prompt": p} for i, p in enumerate(prompts)])
+            end = time.perf_counter()
+            rows = [r for [r] in per_prompt]  # one sample per prompt
+        finally:
+            replica.shutdown()
+    finally:
+        ray.shutdown()
+    return figures(Counts.of_rows(rows), end - start, timed="the replica's start (actors, models) + its generate",
+                   generate_s=end - built, start_s=built - start, steps=report["steps"],
+                   _rows={str(i): list(r["generated_token_ids"]) for i, r in enumerate(rows)})
+
+
+def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a) -> dict:
+    import pyarrow.parquet as pq
+
+    from raysd.jobs.runner import generate
+
+    out = tempfile.mkdtemp(dir=workdir)
+    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, input=prompt_file, output=out)).latest_run
+    rows = pq.read_table(out).to_pylist()
+    wall = run.time_breakdown["wall"]
+    return figures(Counts.of_rows(rows), run.wall_s, timed="raysd generate: the run's wall", generate_s=wall.get("generating"),
+                   fixed_s=run.wall_s - wall.get("generating", 0.0), wall_phases=wall, occupancy=run.occupancy,
+                   _rows={str(r["id"]): list(r["generated_token_ids"]) for r in rows})
+
+
+def run(a, log=print) -> Outcome:
+    import ray
+
+    root = tempfile.mkdtemp(prefix="raysd-bench-fast-step-")
+    target_dir, draft_dir = build_models(root)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(16, 64))] for _ in range(a.prompts)]
+    prompt_file = os.path.join(root, "prompts.jsonl")
+    with open(prompt_file, "w") as f:
+        f.writelines(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(prompts))
+    variants = []  # the actors and pipeline sides each start (and stop) their own local Ray, as a job does
+    for B in a.batch_sizes:
+        for text in a.drafters:
+            label, draft, k = parse_drafter(text, draft_dir)
+            engine_name = f"engine {label}, B={B}"
+            settings = {"drafter": text, "batch": B}
+            make = {"engine": functools.partial(engine_run, target_dir, draft, k, B, prompts, a),
+                    "actors": functools.partial(actors_run, target_dir, draft, k, B, prompts, a),
+                    "pipeline": functools.partial(pipeline_run, target_dir, draft, k, B, prompt_file, root, a)}
+            for side in a.sides:
+                base = engine_name if side != "engine" and "engine" in a.sides else None
+                variants.append(Variant(f"{side} {label}, B={B}", {**settings, "side": side}, make[side], base))
+    try:
+        summaries, runs = run_variants(variants, a.repeats, log=log)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    overhead_per_step(variants, summaries, runs)
+    return Outcome(summaries, {"shape": SHAPE, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens},
+                   {"rows_equal_across_sides": rows_check(variants, runs)})
+
+
+def overhead_per_step(variants, summaries, runs) -> None:
+    """Each side's per-step overhead against its engine variant, paired per repeat (median, in us)."""
+    import statistics
+
+    by_name = {s["name"]: s for s in summaries}
+    for v in variants:
+        if v.baseline is None:
+            continue
+        pairs = [(mine["generate_s"] - base["generate_s"]) / base["steps"] * 1e6
+                 for mine, base in zip(runs[v.name], runs[v.baseline]) if mine.get("generate_s") is not None]
+        if pairs:
+            by_name[v.name]["median"]["per_step_overhead_us"] = statistics.median(pairs)
+
+
+def rows_check(variants, runs) -> dict:
+    """Greedy: every side's rows equal the engine's (first repeat)."""
+    bad = []
+    for v in variants:
+        if v.baseline is not None and runs[v.name][0]["_rows"] != runs[v.baseline][0]["_rows"]:
+            bad.append(v.name)
+    return {"ok": not bad, "mismatched": bad}

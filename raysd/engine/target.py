@@ -1,0 +1,295 @@
+"""The target side of a speculative step: one target pass over every row's drafts, the rejection
+test, one read-back, each row's tokens cut at its stop (`verify`); then the cache rolled back to
+the kept tokens and finished rows retired (`commit`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from raysd.core.draws import step_uniforms
+from raysd.core.rejection import RejectionOutput, draft_target_overlap, greedy_rejection_sample, rejection_sample
+from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
+from raysd.core.speculation import SpeculationConfig
+from raysd.core.tree import tree_rejection_sample
+from raysd.core.tree_shape import TreeShape, rank_visits
+from raysd.engine.batch import Batch, Plan, Verdict, fill_holes
+from raysd.engine.cache_rows import CacheRows
+from raysd.engine.drafters import Proposal
+from raysd.engine.requests import Request
+from raysd.models.features import FeatureTap
+from raysd.models.runner import make_runner
+from raysd.models.static_runner import StaticRunner
+
+if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
+    from transformers import PreTrainedModel
+
+
+class TargetSide:
+    """The target model's runner and the rows' state beside it (`Batch`: budgets, stop sets,
+    statistics).
+
+    `features=True` also keeps the target's features (last-layer pre-norm hidden states) of every
+    position it caches, for a feature draft (EAGLE): each verdict carries those of the positions
+    cached for good in its step (a new row's prompt first)."""
+
+    def __init__(self, model: PreTrainedModel, spec: SpeculationConfig, runner: str = "auto", features: bool = False,
+                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None):
+        """`decode`: token ids -> text with the target's tokenizer, for requests with stop strings."""
+        self.rows = CacheRows(make_runner(model, runner, linear_kernels=linear_kernels))
+        self.spec, self.acceptance = spec, str(spec.acceptance)
+        self.vocab_size = self.rows.runner.vocab_size
+        self.batch = Batch(spec, feature_draft=features, decode=decode)
+        self.tap = FeatureTap.of(model) if features else None
+        self.hidden_size = model.config.hidden_size
+        self._sampling: SamplingTensors | None = None
+        self.prompt_features: list[torch.Tensor | None] = []  # a feature draft's: each row's prompt features, until a verdict carries them
+        self._features_at: tuple | None = None  # a feature draft's: the last verify's features [B, W, H], starts, pending
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def supports_trees(self) -> bool:
+        return isinstance(self.rows.runner, StaticRunner)
+
+    def add(self, items: Sequence[tuple[int, Request]]) -> None:
+        """Prefill new rows (all but each prompt's last token)."""
+        prompts = [req.prompt_token_ids for _, req in items]
+        if self.tap is not None:
+            self.tap.take_all()  # drop whatever ran on the model since (e.g. a step-cost profile)
+        self.rows.add_rows(prompts, share=self.tap is None)  # a feature tap needs every prompt's own forward
+        if self.tap is not None:
+            self.prompt_features += self._prefill_features(prompts)
+        self.batch.add(items)
+        self._sampling = None
+
+    def verify(self, proposal: Proposal, plan: Plan) -> Verdict:
+        """One target pass over every row's drafts (a chain, or the tree of `plan`), the rejection
+        test, one read-back; each row's accepted drafts and recovered or bonus token, cut at its
+        first stop, accepted into the rows' state. The caches are rolled back by `commit`."""
+        batch = self.batch
+        offered = np.minimum(batch.room(), plan.k)  # [B] what the draft side was allowed
+        if self._sampling is None:
+            self._sampling = SamplingTensors.from_params(batch.params, self.device)
+        tree = plan.tree(self.spec.num_speculative_tokens)
+        if tree is None:
+            out, overlap, tested, logits_at = self._verify_chain(proposal)
+        else:
+            out, overlap, tested, logits_at = self._verify_tree(proposal, tree)
+        positions = torch.arange(overlap.shape[1], device=overlap.device)[None, :]
+        parts = {"tokens": out.output_token_ids, "accepted": out.num_accepted, "tested": tested,
+                 "drafted": proposal.num_draft_tokens,
+                 "overlap": torch.where(positions < tested[:, None], overlap, 0.0).sum(dim=1)}  # [B] over tested positions
+        if tree is not None:
+            parts.update(nodes=out.accepted_nodes, branch=self._branch_accepts(tree, out))
+        if any(p.logprobs for p in batch.params):
+            parts.update(self._logprobs(logits_at, out.output_token_ids))
+        host = read_back(parts)  # the step's one device-to-host copy
+        tokens, n_acc = host["tokens"].astype(np.int64), host["accepted"].astype(np.int64)
+        n_keep, finish = batch.cut_at_stops(tokens, n_acc)
+        n_keep, finish, texts = batch.stop_at_strings(tokens, n_keep, finish)
+        drafted = host["drafted"].astype(np.int64)
+        path = None if tree is None else tuple(tuple(row[:n].tolist()) for row, n in zip(host["nodes"].astype(np.int64), n_acc))
+        ranks = rank_visits(tree, drafted.tolist(), path) if tree is not None else None
+        done = finish != 0
+        verdict = Verdict(
+            plan, tuple(tuple(tokens[b, : n_keep[b]].tolist()) for b in range(len(batch))), finish, offered, drafted,
+            n_acc, host["tested"].astype(np.int64), host["overlap"],
+            tuple(fill_holes((~done).tolist())) if done.any() else None, (), path,
+            None if tree is None else host["branch"].astype(np.int64),
+            *((tuple(ranks[0].tolist()), tuple(ranks[1].tolist())) if ranks is not None else ((), ())),
+            features=self._step_features(n_acc, path),
+            logprobs=host.get("logprobs"),
+            top_logprobs=(host["top_ids"].astype(np.int64), host["top_logprobs"]) if "top_ids" in host else None,
+        )
+        batch.accept(verdict)
+        finished = tuple((batch.ids[b], batch.result(b, self.acceptance, texts.get(b))) for b in np.flatnonzero(done))
+        return dataclasses.replace(verdict, finished=finished)
+
+    def _logprobs(self, logits_at: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The target's log-probability of each emitted token (`tokens` [B, W], -1 past them) from the
+        logits it was chosen at ([B, W, V]): "raw" rows the log-softmax of the logits (vLLM's default),
+        "processed" rows of the distribution sampled; and the `top_logprobs` most likely tokens'."""
+        params = self.batch.params
+        logp = torch.log_softmax(logits_at.float(), dim=-1)  # [B, W, V]
+        processed = [p.logprobs_mode == "processed" for p in params]
+        if any(processed):
+            sampled = logits_to_probs(logits_at, self._sampling).float().log()  # [B, W, V], -inf outside the support
+            rows = torch.tensor(processed, device=logp.device)[:, None, None]
+            logp = torch.where(rows, sampled, logp)
+        index = tokens.clamp(min=0)[..., None]  # [B, W, 1]
+        out = {"logprobs": logp.gather(-1, index)[..., 0]}  # [B, W]
+        N = max(p.top_logprobs for p in params)
+        if N:
+            values, ids = logp.topk(N, dim=-1)  # [B, W, N]
+            out.update(top_ids=ids, top_logprobs=values)
+        return out
+
+    def commit(self, verdict: Verdict) -> None:
+        """Roll the cache back to the kept tokens (with a tree: the pending token and the accepted
+        branch), and retire the rows that finished (the verdict already holds their results)."""
+        if verdict.path is None:
+            self.rows.commit(verdict.kept, verdict.accepted)
+        else:
+            self.rows.commit_path(verdict.kept, verdict.path, fed_depth=max(map(len, verdict.path), default=0))
+        if verdict.keep is not None:
+            self.batch.keep(verdict.keep)
+            self.rows.select(verdict.keep)  # a static cache copies only the rows that move
+            if self.tap is not None:
+                self.prompt_features = [self.prompt_features[i] for i in verdict.keep]
+            self._sampling = None
+
+    def _verify_chain(self, proposal: Proposal) -> tuple[RejectionOutput, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over each row's pending tokens and its drafts (K + 1 logits), then the
+        rejection test (or its all-greedy argmax form, or the relaxed or synthetic rule). Returns the
+        test's output, the overlaps [B, K] and positions tested [B], and the logits [B, K + 1, V]."""
+        ids, num, host = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.num_draft_host
+        B, K = ids.shape
+        n = max(host, default=0) + 1 if host is not None else None
+        pending = [len(p) for p in self.rows.pending]
+        logits = self.rows.feed(ids, num, num + 1, n, host)  # [B, n, V] with n = max(num) + 1
+        if self.tap is not None:  # the chunk right-aligns each row's pending tokens and drafts
+            assert host is not None, "a feature draft states its draft counts on the host"
+            F = self.tap.take()  # [B, W, H]
+            self._features_at = (F, [F.shape[1] - p - d for p, d in zip(pending, host)], pending)
+        if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
+            logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
+        acceptance, sampling = self.spec.acceptance, self._sampling
+        if sampling.all_greedy and acceptance.exact:  # no uniform is read: none is drawn
+            target_ids = argmax_last(logits)  # [B, K + 1] each row's one-hot target
+            out = greedy_rejection_sample(ids, num, target_ids)
+            overlap = proposal.draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]  # [B, K] 1 - TV to a one-hot
+            return out, overlap, out.num_tested, logits
+        Kc = self.spec.num_speculative_tokens
+        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, Kc, self.device)  # [B, 2Kc + 1]
+        accept_u, final_u = uniforms[:, Kc : Kc + K], uniforms[:, 2 * Kc]
+        target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
+        if acceptance.synthetic_rate is not None:
+            out = synthetic_accept(ids, num, target_probs, accept_u, final_u, acceptance.synthetic_rate)
+        else:
+            lam = None if acceptance.relax is None else torch.full_like(final_u, acceptance.relax)  # [B]
+            out = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_u, final_u, lam)
+        return out, draft_target_overlap(proposal.draft_probs, target_probs), out.num_tested, logits
+
+    def _verify_tree(self, proposal: Proposal, shape: TreeShape) -> tuple[RejectionOutput, torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor]:
+        """One forward over each row's pending token and its tree (N + 1 logits: StaticRunner.forward_tree
+        with the pending token as the tree's head), then multi-draft speculative sampling
+        (raysd.core.tree.tree_rejection_sample: SpecInfer's MSS, Miao et al. 2024, Algorithm 2,
+        with EAGLE-2's rule for one-hot candidates)."""
+        ids, num = proposal.draft_token_ids, proposal.num_draft_tokens
+        B, N = ids.shape
+        parents = torch.tensor(shape.parents[:N], dtype=torch.int64, device=self.device).expand(B, N)  # [B, N]
+        if self.tap is not None:
+            assert {len(p) for p in self.rows.pending} == {1}, "a feature draft's tree follows one pending token per row"
+        logits = self.rows.feed_tree(ids, parents, num)  # [B, N + 1, V]
+        if self.tap is not None:  # the chunk: each row's pending token (the tree's head), then its nodes
+            self._features_at = (self.tap.take(), None, None)  # [B, N + 1, H]
+        Nc = shape.num_nodes
+        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, Nc, self.device)  # [B, 2Nc + 1]
+        target_probs = logits_to_probs(logits, self._sampling)  # [B, N + 1, V]
+        out = tree_rejection_sample(parents, ids, num, proposal.draft_probs, target_probs, uniforms[:, Nc : Nc + N],
+                                    uniforms[:, 2 * Nc], max_depth=shape.depth_of(N))
+        overlap, tested = path_overlaps(shape, out, num, proposal.draft_probs, target_probs)
+        # The logits each emitted token was chosen at: after the head, then after each accepted node.
+        head = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
+        at = torch.cat([head, out.accepted_nodes + 1], dim=1).clamp(min=0)  # [B, D + 1]
+        logits_at = logits.gather(1, at[..., None].expand(*at.shape, logits.shape[-1]))  # [B, D + 1, V]
+        return out, overlap, tested, logits_at
+
+    def _branch_accepts(self, shape: TreeShape, out: RejectionOutput) -> torch.Tensor:
+        """[B] accepted nodes that are not a rank-0 child (tokens a chain would not have drafted)."""
+        N = shape.num_nodes
+        ranks = torch.tensor((0,) + shape.ranks[:N], dtype=torch.int64, device=self.device)  # [N + 1]
+        return (ranks[out.accepted_nodes + 1] > 0).sum(dim=1)  # -1 (past the path) reads rank 0
+
+    def _prefill_features(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each new row's [len(prompt) - 1, H] features of its prefilled positions."""
+        lengths = [len(p) - 1 for p in prompts]
+        calls = self.tap.take_all()  # one [n, W, H] per prefill forward, its rows right-aligned
+        layout = self.rows.runner.prefill_calls  # the new rows each of those forwards ran
+        assert len(calls) == len(layout), f"{len(calls)} prefill forwards recorded, the runner made {len(layout)}"
+        by_row = {i: F[k, F.shape[1] - lengths[i] :] for F, rows in zip(calls, layout) for k, i in enumerate(rows)}
+        empty = torch.zeros(0, self.hidden_size, device=self.device)
+        return [by_row.get(i, empty) for i in range(len(prompts))]
+
+    def _step_features(self, num_accepted: np.ndarray, path: Sequence[Sequence[int]] | None) -> tuple[torch.Tensor, ...] | None:
+        """A feature draft's part of the verdict: each row's features at the positions it caches
+        for good this step (its pending tokens and accepted drafts; a tree's head and accepted
+        path), after a new row's prompt features. Device tensors: nothing read back."""
+        if self.tap is None:
+            return None
+        F, starts, pending = self._features_at
+        if path is not None:
+            step = [F[b, [0] + [n + 1 for n in p]] for b, p in enumerate(path)]  # [1 + len(p), H]
+        else:
+            step = [F[b, s : s + p + int(a)] for b, (s, p, a) in enumerate(zip(starts, pending, num_accepted))]
+        out = tuple(f if prompt is None else torch.cat([prompt, f]) for prompt, f in zip(self.prompt_features, step))
+        self.prompt_features = [None] * len(step)
+        return out
+
+
+def read_back(parts: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The step's one device-to-host copy: every part ([B] or [B, ...]) packed as float64 into one
+    tensor (float64 holds token ids exactly), then unpacked on the host by name and shape."""
+    flat = [t.reshape(t.shape[0], -1).double() for t in parts.values()]
+    packed = torch.cat(flat, dim=1).cpu().numpy()
+    out, at = {}, 0
+    for (name, t), f in zip(parts.items(), flat):
+        out[name] = packed[:, at : at + f.shape[1]].reshape(t.shape)
+        at += f.shape[1]
+    return out
+
+
+def path_overlaps(shape: TreeShape, tree: RejectionOutput, num_nodes: torch.Tensor, draft_probs: torch.Tensor,
+                  target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain's evidence for alpha_estimate, read off a tree: at each node of the accepted
+    path (the root first), sum_x min(target_probs, draft_probs) of its rank-0 child, the one
+    drawn from the draft and tested first, against the untouched target. Returns [B, D]
+    overlaps and [B] how many were tested (a prefix: the accepted depth, plus one where the
+    path's last node has a child)."""
+    B, N = draft_probs.shape[:2]
+    D = tree.accepted_nodes.shape[1]
+    device = target_probs.device
+    first = torch.tensor(shape.first_children(N), dtype=torch.int64, device=device)  # [N + 1]
+    root = torch.full((B, 1), -1, dtype=torch.int64, device=device)
+    at = torch.cat([root, tree.accepted_nodes], dim=1)[:, :D]  # [B, D] the path's node at depth d
+    child = first[at + 1]  # [B, D] its rank-0 child, -1 if none
+    d = torch.arange(D, device=device)[None, :]
+    tested = (d <= tree.num_accepted[:, None]) & (child >= 0) & (child < num_nodes[:, None])  # [B, D]
+    V = target_probs.shape[-1]
+    p = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V]
+    q = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V]
+    overlap = torch.where(tested, torch.minimum(p, q).sum(dim=-1), 0.0)  # [B, D]
+    return overlap, tested.sum(dim=1)
+
+
+def synthetic_accept(
+    draft_token_ids: torch.Tensor,  # [B, K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64, each in 0..K
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    accept_uniforms: torch.Tensor,  # [B, K] in [0, 1)
+    final_uniforms: torch.Tensor,  # [B] in [0, 1)
+    rate: float,
+) -> RejectionOutput:
+    """Capacity-planning stand-in for the rejection test (vLLM's "synthetic" acceptance):
+    draft i is accepted iff accept_uniforms[:, i] < rate, whatever the two models say; the
+    accepted prefix is kept as usual and the next token is drawn from the target right after
+    it. Steps then cost what they would at acceptance rate `rate`, but the output is NOT
+    distributed as the target's."""
+    B, K = draft_token_ids.shape
+    rows = torch.arange(B, device=target_probs.device)
+    positions = torch.arange(K, device=target_probs.device)
+    drafted = positions[None, :] < num_draft_tokens[:, None]  # [B, K]
+    accepted = drafted & (accept_uniforms < rate)  # [B, K]
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
+    final_tokens = sample_from_probs(target_probs[rows, num_accepted], final_uniforms)  # [B]
+    return RejectionOutput.from_prefix(draft_token_ids, num_draft_tokens, num_accepted, final_tokens)
