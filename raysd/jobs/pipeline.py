@@ -395,7 +395,9 @@ class GenerateReplica:
                 return GenerationReplica(self.cfg, self.tag, max_pending=CONCURRENT_BLOCKS_PER_REPLICA * self.cfg.batch_size,
                                          stop_strings=self.stop_strings)
             except RayActorError as exc:
-                if attempt == _REPLICA_BUILD_ATTEMPTS:
+                # A constructor that raised (a model that does not load) raises again: only a lost
+                # process or node is worth another try.
+                if attempt == _REPLICA_BUILD_ATTEMPTS or exc.actor_init_failed:
                     raise
                 logger.warning("raysd: replica %s lost a model actor while starting (%s); starting again",
                                self.tag, type(exc).__name__)

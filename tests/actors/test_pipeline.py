@@ -109,7 +109,9 @@ def test_continuous_refill_and_overlap_report(random_draft):
     static_steps = sum(max(1 + 2 * i for i in range(j, min(j + 3, 14))) for j in range(0, 14, 3))
     assert report.steps < static_steps
     assert report.draft_busy_s > 0 and report.target_busy_s > 0 and report.wall_s > 0
-    assert -1.0 <= report.overlap_efficiency <= 1.0
+    # Overlap cannot hide more than the shorter side's busy time (<= 1); there is no lower bound:
+    # on a loaded machine the wall holds idle time that neither actor's busy time covers.
+    assert report.overlap_efficiency <= 1.0
     print(f"overlap: draft {report.draft_busy_s:.3f}s target {report.target_busy_s:.3f}s "
           f"wall {report.wall_s:.3f}s efficiency {report.overlap_efficiency:.2f}")
 
