@@ -104,7 +104,7 @@ def test_schema_is_explicit():
     assert [f.name for f in GENERATED_FIELDS][:8] == [
         "sample_index", "generated_text", "generated_token_ids", "generated_logprobs", "top_logprobs", "num_prompt_tokens",
         "num_generated_tokens", "finish_reason"]
-    assert DEFAULT_DRAFT == "ngram"
+    assert DEFAULT_DRAFT == "suffix"
 
 
 def test_check_job_catches_problems_before_any_model(tmp_path):

@@ -246,7 +246,8 @@ def kill_driver_mid_job(args: list[str], out: Path, min_rows_written: int = 1, t
     once a progress line reports at least `min_rows_written` rows written, re-run the same command.
 
     Returns {written_at_kill, generated_at_kill (last progress line), in_parts (rows in complete
-    parts after the kill), rerun: the re-run's summary}.
+    parts after the kill), killed_parts (their names), stray_parts (part-* files outside _tmp/ that
+    are not Parquet parts), rerun: the re-run's summary}.
     """
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-c", _DRIVER, "generate", *args]
@@ -274,12 +275,15 @@ def kill_driver_mid_job(args: list[str], out: Path, min_rows_written: int = 1, t
             raise AssertionError("no progress line with rows written in time: " + "".join(tail[-20:]))
     finally:
         kill_group(proc)
-    in_parts = settled(lambda: part_rows(out), quiet_s=3)
+    in_parts = settled(lambda: part_rows(out), quiet_s=3)  # every part that counts reads whole
+    killed_parts = sorted(p.name for p in Path(out).glob("part-*.parquet"))
+    stray = sorted(p.name for p in Path(out).iterdir() if p.is_file() and p.name.startswith("part-")
+                   and p.suffix != ".parquet")  # a half-written part lives under _tmp/, never beside them
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     return {"written_at_kill": last["written"], "generated_at_kill": last["generated"], "in_parts": in_parts,
-            "rerun": summary}
+            "killed_parts": killed_parts, "stray_parts": stray, "rerun": summary}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,8 +57,11 @@ def test_kill_process_mid_job(fault, job_input, model_dirs, local_ray, tmp_path)
 
 
 def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
-    """The whole process group dies; the re-run regenerates only what was not in a part, and
-    what it regenerates beyond the unstarted rows is bounded by the rows that were in flight."""
+    """A real crash: `raysd generate` SIGKILLed while it writes (its whole process group: the
+    driver, the Ray it started, the actors), then the same command again. The re-run regenerates
+    only what was not in a part, and what it regenerates beyond the unstarted rows is bounded by
+    the rows that were in flight. Nothing lost, nothing doubled, no partial file counted, the
+    killed run's parts kept as they were, and the tokens those of a clean run."""
     target, draft, _ = model_dirs
     inp, expected = job_input
     out = tmp_path / "out"
@@ -68,6 +71,7 @@ def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
     got = kill_driver_mid_job(args, out)
     in_parts = got["in_parts"]
     assert 0 < in_parts < N_ROWS
+    assert got["stray_parts"] == [], got["stray_parts"]
     rerun = got["rerun"]["latest_run"]
     assert got["rerun"]["rows"] == N_ROWS and rerun["rows_skipped"] == in_parts and rerun["rows"] == N_ROWS - in_parts
     # No row of a complete part was generated again (the re-run's rows above). The work the kill threw
@@ -77,6 +81,8 @@ def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
     wasted = max(0, got["generated_at_kill"] - in_parts)
     assert wasted <= N_ROWS - in_parts, got
     print(f"driver kill: {in_parts} rows in parts, {got['generated_at_kill']} generated at the kill, {wasted} regenerated")
+    assert not (out / "_tmp").exists()
+    assert set(got["killed_parts"]) <= {p.name for p in out.glob("part-*.parquet")}  # kept, not rewritten
     outcome = compare(Outcome("driver", N_ROWS), read_rows(out), "key", expected)
     assert (outcome.rows_out, outcome.lost, outcome.duplicated, outcome.token_mismatches) == (N_ROWS, 0, 0, 0), outcome
 

@@ -12,8 +12,8 @@ After every step the workspace is compared with a model of what it must hold:
 
 A kill is made by removing parts: the job runs, then only some of its new parts are kept, the
 previous `_summary.json` is put back (a killed run writes none) and a half-written file is left
-in `_tmp/`. That is the state a SIGKILL leaves (parts appear whole by rename: tests/jobs/test_kill.py
-and tests/reliability/test_chaos.py kill real drivers); a real kill would cost a driver start.
+in `_tmp/`. That is the state a SIGKILL leaves (parts appear whole by rename: tests/reliability/test_chaos.py kills a
+real driver); a real kill would cost a driver start.
 
 Cost: a job that generates starts a replica and its model actor (15-20 s at load average 6 on this
 2-core machine; a refused job costs nothing, a resume with nothing to do about 4 s). So one fixed
