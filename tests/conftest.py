@@ -60,20 +60,11 @@ def tiny_eagle(target_seed: int = 0, seed: int = 0, vocab: int = VOCAB):
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
-    """Tiny models are all per-op overhead; extra threads only oversubscribe the 2 cores. The same
-    for every process the tests start (Ray's actors, `raysd` subprocesses): Ray gives an actor as
-    many threads as it has CPUs unless OMP_NUM_THREADS is set, and two test workers running jobs
-    side by side then ask for more threads than there are cores (phase 1 of scripts/test.sh: 9%
-    less wall on its two largest modules with one thread each)."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    """Tiny models are all per-op overhead; extra threads only oversubscribe the 2 cores."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="session")
