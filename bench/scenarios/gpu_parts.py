@@ -62,6 +62,8 @@ def load_smollm2(dtype: str, device: str):
 
 
 def truncated(model, layers: int):
+    """A real-weights draft: the model's first `layers` decoder layers, its final norm and its
+    head (a layer-skip self-draft; shares no storage with `model`)."""
     draft = copy.deepcopy(model)
     draft.model.layers = draft.model.layers[:layers]
     draft.config.num_hidden_layers = layers

@@ -161,11 +161,7 @@ def smollm2_source() -> str | None:
 
 
 def truncated_copy(model, num_layers: int):
-    """A real-weights draft: the model's first `num_layers` decoder layers, its final norm
-    and its head (a layer-skip self-draft; shares no storage with `model`)."""
-    draft = copy.deepcopy(model)
-    draft.model.layers = draft.model.layers[:num_layers]
-    draft.config.num_hidden_layers = num_layers
-    if getattr(draft.config, "layer_types", None):
-        draft.config.layer_types = draft.config.layer_types[:num_layers]
-    return draft.eval()
+    """A real-weights layer-skip self-draft: the benchmark's own (bench.scenarios.gpu_parts)."""
+    from bench.scenarios.gpu_parts import truncated
+
+    return truncated(model, num_layers)
