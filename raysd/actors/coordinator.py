@@ -18,6 +18,11 @@ keyed by (seed, tokens generated), so the same seeds give the same tokens as Spe
 
 A model-free drafter (n-gram lookup, or none) has no model to overlap, so it runs inside the
 target actor (DrafterSpec.colocated): one actor, one call per several steps, no draft actor.
+
+A tensor-parallel target (`CoordinatorConfig.target_tensor_parallel` N > 1) is N target actors, one
+per rank, each holding 1/N of the weights and of the KV cache (raysd.models.tensor_parallel): the
+step graph hands every rank the same call and the same proposal, every rank runs the same step,
+and rank 0's verdict is the step's (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from raysd.actors.model_actors import (
     ModelFactory,
     StepCall,
     TargetActor,
+    TensorParallelGroupBroken,
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
 from raysd.core.speculation import SpeculationConfig, StepCosts
@@ -55,6 +61,7 @@ from raysd.engine.batch import Verdict
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
 from raysd.engine.step import StepTimings
 from raysd.models.runner import check_runner_kind
+from raysd.models.tensor_parallel import TensorParallel
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -94,9 +101,14 @@ class CoordinatorConfig:
     # row's slot is refilled as soon as it frees, and the steps between cost no round trip. A
     # request arriving while the rows run waits at most this many steps for a free slot.
     max_steps_per_call: int = 8
+    # N > 1: the target is N rank actors (one placement-group bundle of `target_resources` each),
+    # each holding 1/N of its weights (raysd.models.tensor_parallel); a rank's loss restarts all N.
+    target_tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        if self.target_tensor_parallel < 1:
+            raise ValueError(f"target_tensor_parallel must be >= 1, got {self.target_tensor_parallel}")
         if self.speculation.tree_budget and self.runner == "dynamic":
             raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.max_steps_per_call < 1:
@@ -195,7 +207,9 @@ class SpecCoordinator:
         self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the first step
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
-        bundles = [config.target_resources.bundle()] + ([] if self.colocated else [config.draft_resources.bundle()])
+        # Bundles 0..N-1: the target's ranks; bundle N: the draft actor, if any.
+        tp = config.target_tensor_parallel
+        bundles = [config.target_resources.bundle()] * tp + ([] if self.colocated else [config.draft_resources.bundle()])
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
@@ -211,14 +225,16 @@ class SpecCoordinator:
         # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in
         # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
         # Every constructor argument here is small and travels inline.
-        target_name = f"raysd-target-{uuid.uuid4().hex}"
-        self.target = self._actor(TargetActor, 0, config.target_resources, name=target_name).remote(
-            target_factory, config.runner, drafter if self.colocated else None, tokenizer_factory)
+        self._target_name = f"raysd-target-{uuid.uuid4().hex}"
+        self._target_args = (target_factory, config.runner, drafter if self.colocated else None, tokenizer_factory)
+        self.targets = self._start_targets()  # rank 0 first: the one named, the one that reports
         self.can_decode = tokenizer_factory is not None
         self.draft = None
         if not self.colocated:
-            self.draft = self._actor(DraftActor, 1, config.draft_resources).remote(drafter, target_name, config.measure_bytes)
-        self.target_info, self.draft_info = self._infos(timeout=None)  # both load their models first
+            self.draft = self._actor(DraftActor, tp, config.draft_resources).remote(drafter, self._target_name,
+                                                                                    config.measure_bytes)
+        self.target_info, self.draft_info = self._infos(timeout=None)  # all load their models first
+        self._join_group()
         self.vocab_size = self.target_info.vocab_size
         if config.speculation.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
             self.shutdown()
@@ -227,12 +243,63 @@ class SpecCoordinator:
         warn_if_lossy(config.speculation.acceptance)
 
     @property
+    def target(self):
+        """The target actor (rank 0 of a tensor-parallel target: the one that reports)."""
+        return self.targets[0]
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.config.target_tensor_parallel
+
+    def _start_targets(self) -> list:
+        """The target's actors, one per tensor-parallel rank (bundles 0..N-1). Ray restarts a lone
+        target; the ranks of a tensor-parallel one are restarted by `_restart_targets`, all together
+        and in a new group, as a rank that comes back alone cannot rejoin its peers' group."""
+        tp = self.tensor_parallel
+        resources = self.config.target_resources
+        if tp == 1:
+            return [self._actor(TargetActor, 0, resources, name=self._target_name).remote(*self._target_args)]
+        ranks = []
+        for rank in range(tp):
+            named = {"name": self._target_name} if rank == 0 else {}
+            cls = self._actor(TargetActor, rank, resources, max_restarts=0, **named)
+            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp)))
+        return ranks
+
+    def _join_group(self, timeout_s: float = 300.0) -> None:
+        """Set up the ranks' torch.distributed group: rank 0 picks a free port on its node, and
+        every rank joins at once (each join returns when all have)."""
+        if self.tensor_parallel == 1:
+            return
+        address, port = ray.get(self.target.group_address.remote(), timeout=60)
+        ray.get([t.join_group.remote(address, port, timeout_s) for t in self.targets], timeout=timeout_s + 60)
+
+    def _restart_targets(self) -> None:
+        """Start every rank of a tensor-parallel target afresh (killed by `_recover`), to join a new
+        group on a new port: the old group lost a member, and a rank cannot rejoin it alone."""
+        for t in self.targets:  # rank 0's name is free again once it is dead
+            try:
+                ray.get(t.info.remote(), timeout=30)
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.targets = self._start_targets()
+                return
+            except ValueError:  # "the name is already taken": the old rank 0 is still being removed
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    @property
     def device_channel(self) -> bool:
         """Whether proposals travel as device tensors, GPU to GPU: draft and target on two
         different GPUs (NCCL cannot join two processes on one GPU; those, and CPUs, go through
-        the host over shared memory, the proposal lossless sparse where smaller)."""
+        the host over shared memory, the proposal lossless sparse where smaller). A tensor-parallel
+        target's ranks read the proposal from the host: one small message, N readers."""
         d, t = self.draft_info.gpu, self.target_info.gpu
-        return self.draft is not None and d is not None and t is not None and d != t
+        return self.draft is not None and d is not None and t is not None and d != t and self.tensor_parallel == 1
 
     @property
     def admission(self) -> Admission:
@@ -251,12 +318,12 @@ class SpecCoordinator:
 
     def _actor(self, cls, bundle_index: int, resources: ActorResources, **options):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
+        options = {"max_restarts": self.config.max_actor_restarts, **options}
         return ray.remote(cls).options(
             **options,
             num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus,
             scheduling_strategy=strategy,
-            max_restarts=self.config.max_actor_restarts,
             max_task_retries=0,  # a lost step is re-run from the rows' start, not retried
         )
 
@@ -268,18 +335,21 @@ class SpecCoordinator:
 
     def shutdown(self) -> None:
         self._close_graph()
-        for actor in (getattr(self, "draft", None), getattr(self, "target", None)):
+        for actor in [getattr(self, "draft", None), *getattr(self, "targets", [])]:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.placement_group)
 
     def profile_step_costs(self, k_max: int, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> StepCosts:
-        """Step costs measured inside the actors, on the devices they run on."""
-        target_ref = self.target.time_steps.remote(list(batch_sizes), k_max, context, reps)
+        """Step costs measured inside the actors, on the devices they run on. Every rank of a
+        tensor-parallel target profiles at once (each forward's collectives need all of them);
+        rank 0's times are the target's."""
+        target_ref, *others = [t.time_steps.remote(list(batch_sizes), k_max, context, reps) for t in self.targets]
         if self.draft is None:  # a colocated drafter is model-free: its drafting counts as free
-            target_s, draft_s = ray.get(target_ref), [0.0] * len(batch_sizes)
+            target_s, draft_s = ray.get([target_ref, *others])[0], [0.0] * len(batch_sizes)
         else:
-            target_s, draft_s = ray.get([target_ref, self.draft.time_steps.remote(list(batch_sizes), context, reps)])
+            target_s, draft_s, *_ = ray.get([target_ref, self.draft.time_steps.remote(list(batch_sizes), context, reps),
+                                             *others])
         return StepCosts(tuple(batch_sizes), tuple(tuple(t) for t in target_s), tuple(draft_s))
 
     def generate(self, requests: Sequence[Request]) -> RunOutput:
@@ -355,11 +425,11 @@ class SpecCoordinator:
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
                 ref, mb, nbytes = in_flight.popleft()
-                verdict, timings = ref.get()
-            except (RayActorError, RayChannelError, MicroBatchStateLost):
+                verdict, timings = self._read(ref)
+            except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
                 # gone. Re-run their rows from the start; finished results stay.
-                self._recover(mbs, waiting, in_flight, report)
+                self._recover(mbs, waiting, in_flight, report, exc)
                 continue
             report.active_rows += timings.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
             self._take(mb, verdict, timings, results, report)
@@ -399,24 +469,42 @@ class SpecCoordinator:
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0)
 
+    def _read(self, ref) -> tuple[Verdict, StepTimings]:
+        """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
+        rank's output is read (a channel left unread fills up); all ranks ran the same step, so
+        the others' verdicts are rank 0's. The first failure among them is raised."""
+        if self.tensor_parallel == 1:
+            return ref.get()
+        outputs, error = [], None
+        for r in ref:
+            try:
+                outputs.append(r.get())
+            except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return outputs[0]
+
     def _step_graph(self):
         """The replica's step as a Ray compiled graph, set up once (and again after an actor's
         restart): driver -> draft.propose -> target.step -> driver, over channels that live as long
         as the graph (shared memory on one node), so a step costs no task submission, no object
         store and no scheduling. Up to `num_micro_batches` executions are in flight: the draft
         proposes for one micro-batch while the target verifies another. With a colocated drafter
-        the graph is the target actor alone."""
+        the graph is the target actor alone. A tensor-parallel target's ranks all take the same
+        call (and the same proposal) and return one output each (MultiOutputNode; `_read`)."""
         if self._graph is None:
-            from ray.dag import InputNode
+            from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as calls:
                 if self.draft is None:
-                    out = self.target.step.bind(calls)
+                    outs = [t.step.bind(calls) for t in self.targets]
                 else:
                     proposed = self.draft.propose.bind(calls[0])
                     if self.device_channel:  # the proposal's device tensors travel GPU to GPU (NCCL)
                         proposed = proposed.with_tensor_transport(transport="nccl")
-                    out = self.target.step.bind(calls[1], proposed)
+                    outs = [t.step.bind(calls[1], proposed) for t in self.targets]
+                out = outs[0] if len(outs) == 1 else MultiOutputNode(outs)
             self._graph = out.experimental_compile(_max_inflight_executions=self.config.num_micro_batches + 1)
         return self._graph
 
@@ -448,25 +536,45 @@ class SpecCoordinator:
         report.draft_busy_s += timings.draft_s
         self.steps_completed += timings.steps
 
-    def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: deque, report: RunReport) -> None:
+    def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: deque, report: RunReport,
+                 error: BaseException | None = None) -> None:
         report.recoveries += 1
+        # A tensor-parallel target whose group broke (a rank died, or a collective failed) starts
+        # all its ranks afresh; a lost draft actor leaves the ranks and their group as they are.
+        restart_ranks = self.tensor_parallel > 1 and (isinstance(error, TensorParallelGroupBroken) or not self._ranks_alive())
+        if restart_ranks:  # before the graph's teardown: a survivor may be blocked in a collective
+            for t in self.targets:
+                ray.kill(t, no_restart=True)
         self._close_graph()  # its channels went with the actor; a new graph is compiled on the restarted one
         if report.recoveries > self.config.max_recoveries:
             raise RuntimeError(f"actors failed {report.recoveries} times in one run; giving up")
+        if restart_ranks:
+            self._restart_targets()
         requeue = sorted((item for mb in mbs for item in mb.rows), key=lambda item: item[0])
         waiting.extendleft(reversed(requeue))  # re-run from the prompt: same seed, same output
         for mb in mbs:
             mb.clear()
         in_flight.clear()  # stale steps: the micro-batches start afresh
         self._wait_for_actors()
+        if restart_ranks:
+            self._join_group()
+
+    def _ranks_alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether every rank of a tensor-parallel target still answers."""
+        try:
+            ray.get([t.info.remote() for t in self.targets], timeout=timeout_s)
+            return True
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
     def _infos(self, timeout: float | None) -> tuple[ActorInfo, ActorInfo]:
         """Both actors' info. A colocated drafter has no actor: its info is the target's, with
         no context limit of its own."""
+        ranks = [t.info.remote() for t in self.targets]
         if self.draft is None:
-            target = ray.get(self.target.info.remote(), timeout=timeout)
+            target = ray.get(ranks, timeout=timeout)[0]
             return target, dataclasses.replace(target, max_model_len=2**31 - 1, supports_trees=True)
-        target, draft = ray.get([self.target.info.remote(), self.draft.info.remote()], timeout=timeout)
+        target, *_, draft = ray.get([*ranks, self.draft.info.remote()], timeout=timeout)
         return target, draft
 
     def _wait_for_actors(self, timeout_s: float = 120.0) -> None:

@@ -49,6 +49,7 @@ from raysd.models.loading import max_model_len, model_dtype, output_vocab_size
 from raysd.models.profile import time_forward, time_forward_upto
 from raysd.models.runner import check_runner_kind
 from raysd.models.static_runner import supports_static
+from raysd.models.tensor_parallel import TensorParallel, default_backend, free_address, init_group, shard_model
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
@@ -59,6 +60,11 @@ MODEL_FREE_DRAFTERS = ("ngram", "suffix")
 
 class MicroBatchStateLost(RuntimeError):
     """The actor has no state for a micro-batch it was asked to step: it was restarted."""
+
+
+class TensorParallelGroupBroken(RuntimeError):
+    """A collective of a tensor-parallel target failed (a peer rank died): the group is gone, and
+    every rank must be started afresh in a new one."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,7 @@ class ActorInfo:
     supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
     gpu: tuple[str, str] | None = None  # (node id, Ray's GPU id) of the actor's GPU; None on the CPU
     dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
+    tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
 
 
 @dataclass(frozen=True)
@@ -352,15 +359,26 @@ class DraftActor:
 class TargetActor:
     """The target model, and per micro-batch its TargetSide (the rows' state beside the target's
     KV cache). `drafter`: a model-free drafter (DrafterSpec.colocated) to run here, one DraftSide
-    per micro-batch beside its TargetSide, with this actor's own K controller."""
+    per micro-batch beside its TargetSide, with this actor's own K controller.
+
+    `tensor_parallel`: this actor is one rank of a tensor-parallel target (raysd.models.
+    tensor_parallel): it keeps its 1/N of the weights, sharded before it moves to its device and
+    before any runner packs them. The ranks then join one torch.distributed group (`group_address`
+    on rank 0, `join_group` on all at once) before their first forward. Every rank runs every
+    call with the same arguments (the same rows, the same proposal, the same colocated drafter
+    on the same tokens, the same draws), so they keep the same tokens without exchanging them."""
 
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
-                 tokenizer_factory: Callable[[], object] | None = None):
+                 tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel()):
         if drafter is not None and not drafter.colocated:
             raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
         exit_when_orphaned()
         self.device = assigned_device()
-        self.model = model_factory().to(self.device).eval()
+        self.tensor_parallel = tensor_parallel
+        model = model_factory()
+        # Shard where the factory loaded it (the host, for a model loaded on the CPU): the device then
+        # receives 1/N of the weights only.
+        self.model = shard_model(model, tensor_parallel.rank, tensor_parallel.world_size).to(self.device).eval()
         self.runner = runner
         self.vocab_size = output_vocab_size(self.model)
         self.colocated = drafter is not None
@@ -380,14 +398,27 @@ class TargetActor:
         self.sides = _Sides(make)
         self.planner = _Planner()
 
+    def group_address(self) -> tuple[str, int]:
+        """Where the tensor-parallel group meets (rank 0's node address and a port free there now)."""
+        import ray
+
+        return free_address(ray.util.get_node_ip_address())
+
+    def join_group(self, address: str, port: int, timeout_s: float = 300.0) -> None:
+        """Join the tensor-parallel group at tcp://address:port; returns once every rank has joined
+        (all ranks are called at once). NCCL between GPUs, gloo on the CPU."""
+        tp = self.tensor_parallel
+        init_group(tp.rank, tp.world_size, address, port, default_backend(self.device), timeout_s)
+
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
-        """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row."""
+        """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row.
+        A tensor-parallel target's ranks are all asked at once: each forward's collectives need every rank."""
         return [time_forward_upto(self.model, B, k_max, context, reps, self.runner) for B in batch_sizes]
 
     def info(self) -> ActorInfo:
         trees = self.runner != "dynamic" and supports_static(self.model)
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
-                         gpu=assigned_gpu(), dtype=model_dtype(self.model))
+                         gpu=assigned_gpu(), dtype=model_dtype(self.model), tensor_parallel=self.tensor_parallel)
 
     def get_vocab_size(self) -> int:
         return self.vocab_size
@@ -400,8 +431,19 @@ class TargetActor:
         """A colocated suffix drafter's drafts by source, over the rows that finished here (SuffixIndex)."""
         return self.suffix_index.provenance() if self.suffix_index is not None else {}
 
-    @torch.inference_mode()
     def step(self, call: StepCall, proposed: Proposed | None = None) -> tuple[Verdict, StepTimings]:
+        """`_step`; on a tensor-parallel rank a failed collective (a peer died) is TensorParallelGroupBroken."""
+        if self.tensor_parallel.world_size == 1:
+            return self._step(call, proposed)
+        try:
+            return self._step(call, proposed)
+        except (MicroBatchStateLost, AssertionError):
+            raise
+        except RuntimeError as exc:  # gloo: "Connection closed by peer"; NCCL: its watchdog's timeout
+            raise TensorParallelGroupBroken(f"rank {self.tensor_parallel.rank}: {type(exc).__name__}: {exc}") from exc
+
+    @torch.inference_mode()
+    def _step(self, call: StepCall, proposed: Proposed | None = None) -> tuple[Verdict, StepTimings]:
         """Admit the call's new rows and run the step on the draft actor's proposal: verify, accept,
         roll back, retire. The verdict (its features on the host, for a feature draft) goes back to
         the coordinator, which forwards it to the draft actor with the micro-batch's next call.
