@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("Ray")
     r.add_argument("--batch-size", type=int, default=16, help="rows per Ray Data block and per call on a replica (default: 16)")
     r.add_argument("--replicas", type=int, default=1, help="draft/target actor pairs running in parallel: the generation stage's actor pool (default: 1)")
+    r.add_argument("--target-tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N rank actors, each with 1/N of its weights and KV cache and "
+                        "--num-gpus-per-actor (Megatron-style; llama, qwen2, mistral; docs/tensor_parallel.md) (default: 1)")
     r.add_argument("--num-gpus-per-actor", type=float, default=0.0, help="GPUs for each model actor; 0.5 shares one GPU per pair (default: 0)")
     r.add_argument("--num-cpus-per-actor", type=_cpus_value, default=None,
                    help="CPUs (torch threads) for each model actor, or auto: on a local Ray without GPUs the machine's "

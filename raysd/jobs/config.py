@@ -90,6 +90,9 @@ class GenerateConfig:
     logprobs_mode: str = "raw"
     batch_size: int = 16  # rows per call on a replica (split into two pipelined micro-batches)
     replicas: int = 1  # draft/target actor pairs running in parallel
+    # N > 1: each replica's target is N rank actors, each with 1/N of its weights (Megatron-style
+    # tensor parallelism, raysd.models.tensor_parallel), and --num-gpus-per-actor each.
+    target_tensor_parallel: int = 1
     num_gpus_per_actor: float = 0.0
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
@@ -153,6 +156,8 @@ class GenerateConfig:
         need(not (self.quiet and self.verbose), "--quiet and --verbose exclude each other")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
+        need(_is_int(self.target_tensor_parallel) and self.target_tensor_parallel >= 1,
+             f"--target-tensor-parallel must be an integer >= 1, got {self.target_tensor_parallel!r}")
         need(self.num_gpus_per_actor >= 0, f"--num-gpus-per-actor must be >= 0, got {self.num_gpus_per_actor}")
         need(
             self.num_gpus_per_actor <= 1 or self.num_gpus_per_actor == int(self.num_gpus_per_actor),
@@ -195,6 +200,12 @@ class GenerateConfig:
         cpus = 1.0 if self.num_cpus_per_actor is None else self.num_cpus_per_actor
         return cpus, (cpus if self.draft_is_model else MODEL_FREE_DRAFT_CPUS)
 
+    @property
+    def replica_cpus(self) -> float:
+        """CPUs one replica's actors ask for: each target rank's and the draft's."""
+        target, draft = self.actor_cpus
+        return self.target_tensor_parallel * target + draft
+
     def resolve_actor_cpus(self, local_cores: int | None) -> "GenerateConfig":
         """`--num-cpus-per-actor auto` made a number. On a Ray this job starts on this machine
         (`local_cores` known) without GPUs, the model actors share the machine's cores: each
@@ -206,7 +217,7 @@ class GenerateConfig:
             return self
         cpus = 1.0
         if local_cores and self.num_gpus_per_actor == 0:
-            models = self.replicas * (2 if self.draft_is_model else 1)
+            models = self.replicas * (self.target_tensor_parallel + (1 if self.draft_is_model else 0))
             cpus = float(max(1, local_cores // models))
         return dataclasses.replace(self, num_cpus_per_actor=cpus)
 

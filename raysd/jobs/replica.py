@@ -339,6 +339,7 @@ class GenerationReplica:
             target_resources=ActorResources(num_cpus=target_cpus, num_gpus=gpus),
             placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
+            target_tensor_parallel=cfg.target_tensor_parallel,
         )
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and
@@ -380,6 +381,8 @@ class GenerationReplica:
             key = {"target": cfg.target, "target_dtype": self.target_dtype, "draft": cfg.draft, "draft_dtype": self.draft_dtype,
                    "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": k_max,
                    "batch_sizes": sizes, "context": 64, "reps": 2}
+            if cfg.target_tensor_parallel > 1:  # absent at 1: the profiles cached before the flag stay valid
+                key["target_tensor_parallel"] = cfg.target_tensor_parallel
             costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
             serial = AdaptiveConfig(costs)
             # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.

@@ -164,6 +164,14 @@ def check_job(cfg: GenerateConfig) -> CheckedJob:
             check_model_exists(name, cfg.allow_pickle_weights)
         except (FileNotFoundError, ValueError) as exc:  # missing, or pickled weights not allowed
             raise JobError(str(exc)) from None
+    if cfg.target_tensor_parallel > 1:  # from the target's config alone: before any weights load
+        from raysd.models.loading import load_config
+        from raysd.models.tensor_parallel import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(load_config(cfg.target, cfg.trust_remote_code), cfg.target_tensor_parallel)
+        except ValueError as exc:
+            raise JobError(f"--target-tensor-parallel: {exc}") from None
     store = OutputStore(cfg.output)
     previous = store.check(source, cfg.overwrite)  # None: a new output, or --overwrite
     record = {"fingerprint": cfg.fingerprint(), "config": cfg.to_dict(),
@@ -195,7 +203,7 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     # One logical CPU more than the model actors' placement groups can take, as a margin for Ray
     # Data's own tasks. (The streaming repartition, whose tasks once asked for a CPU each and hung
     # a resumed run behind the groups, now asks for none: raysd.jobs.pipeline._repartition_needs_no_cpu.)
-    need = int(math.ceil(cfg.replicas * sum(cfg.actor_cpus)))
+    need = int(math.ceil(cfg.replicas * cfg.replica_cpus))
     try:
         with _ray_logger_quiet(not cfg.verbose):
             start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)

@@ -189,6 +189,21 @@ def check_model_exists(name: str, allow_pickle_weights: bool = False) -> None:
         raise FileNotFoundError(f"cannot find model {name!r}: {str(exc).splitlines()[0]}") from None
 
 
+def load_config(name: str, trust_remote_code: bool = False):
+    """A model's Hugging Face config, without its weights (the embedded default's from its GGUF
+    header; a distilled or EAGLE draft's is its target's)."""
+    from transformers import AutoConfig
+
+    source, extra = _source(name)
+    if "gguf_file" in extra:  # a converted copy's config.json reads in milliseconds; the GGUF header in seconds
+        for dtype in DTYPE_NAMES:
+            entry = gguf_cache.entry_dir(Path(source) / extra["gguf_file"], "model", dtype)
+            if (entry / "config.json").is_file():
+                return AutoConfig.from_pretrained(entry)
+        return AutoConfig.from_pretrained(source, gguf_file=extra["gguf_file"])
+    return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
 def load_model(spec: ModelSpec):
     """Load a causal LM in eval mode. Weights come from safetensors or GGUF only, unless
     `spec.allow_pickle_weights` (then a .bin checkpoint is unpickled when no safetensors exist)."""
