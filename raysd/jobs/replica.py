@@ -235,6 +235,16 @@ def load_on_actor_device(spec):
     return load_model(dataclasses.replace(spec, device=str(assigned_device())))
 
 
+def load_on_actor_host(spec):
+    """As `load_on_actor_device`, in the dtype of the actor's device but on the host: a rank of a
+    tensor-parallel target keeps its 1/N of the weights (TargetActor) before they move to its GPU,
+    which could not hold the whole model (a 70B target in bf16: 141 GB)."""
+    from raysd.actors.model_actors import assigned_device
+    from raysd.models.loading import load_model, resolve_dtype
+
+    return load_model(dataclasses.replace(spec, dtype=resolve_dtype(spec.dtype, assigned_device()), device="cpu"))
+
+
 def load_eagle_on_actor_device(name: str, target_spec, dtype: str):
     """As `load_on_actor_device`, for an EAGLE draft built on the job's target."""
     from raysd.actors.model_actors import assigned_device
@@ -352,7 +362,8 @@ class GenerationReplica:
             thread.join()
             if tokenizer_box.get("tok") is not None:
                 tokenizer_factory = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
-        self.coordinator = SpecCoordinator(functools.partial(load_on_actor_device, target_spec), drafter, ccfg,
+        load_target = load_on_actor_host if cfg.target_tensor_parallel > 1 else load_on_actor_device
+        self.coordinator = SpecCoordinator(functools.partial(load_target, target_spec), drafter, ccfg,
                                            tokenizer_factory=tokenizer_factory)
         thread.join()
         if "error" in tokenizer_box:
