@@ -439,7 +439,7 @@ class TargetActor:
             return self._step(call, proposed)
         except (MicroBatchStateLost, AssertionError):
             raise
-        except RuntimeError as exc:  # gloo: "Connection closed by peer"; NCCL: its watchdog's timeout
+        except RuntimeError as exc:  # gloo: "Connection reset by peer"; NCCL: its watchdog's timeout
             raise TensorParallelGroupBroken(f"rank {self.tensor_parallel.rank}: {type(exc).__name__}: {exc}") from exc
 
     @torch.inference_mode()
