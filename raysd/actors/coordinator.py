@@ -196,7 +196,10 @@ class SpecCoordinator:
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
         bundles = [config.target_resources.bundle()] + ([] if self.colocated else [config.draft_resources.bundle()])
-        self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
+        # STRICT_PACK asks for this process's node first (a soft hint: elsewhere if it does not fit),
+        # so the step's channels stay in shared memory (`_step_graph`).
+        near = ray.get_runtime_context().get_node_id() if config.placement_strategy == "STRICT_PACK" else None
+        self.placement_group = placement_group(bundles, strategy=config.placement_strategy, _soft_target_node_id=near)
         try:
             ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -230,9 +233,10 @@ class SpecCoordinator:
     def device_channel(self) -> bool:
         """Whether proposals travel as device tensors, GPU to GPU: draft and target on two
         different GPUs (NCCL cannot join two processes on one GPU; those, and CPUs, go through
-        the host over shared memory, the proposal lossless sparse where smaller)."""
+        the host over shared memory, the proposal lossless sparse where smaller), on the node
+        of this process (`_step_graph`: across nodes the step runs as tasks, through the host)."""
         d, t = self.draft_info.gpu, self.target_info.gpu
-        return self.draft is not None and d is not None and t is not None and d != t
+        return self.draft is not None and d is not None and t is not None and d != t and self.one_node
 
     @property
     def admission(self) -> Admission:
@@ -399,13 +403,29 @@ class SpecCoordinator:
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0)
 
+    @property
+    def one_node(self) -> bool:
+        """Whether this process and its actors share one node (the step's channels are then shared memory)."""
+        nodes = {ray.get_runtime_context().get_node_id(), self.target_info.node, self.draft_info.node}
+        return len(nodes) == 1
+
     def _step_graph(self):
         """The replica's step as a Ray compiled graph, set up once (and again after an actor's
         restart): driver -> draft.propose -> target.step -> driver, over channels that live as long
         as the graph (shared memory on one node), so a step costs no task submission, no object
         store and no scheduling. Up to `num_micro_batches` executions are in flight: the draft
         proposes for one micro-batch while the target verifies another. With a colocated drafter
-        the graph is the target actor alone."""
+        the graph is the target actor alone.
+
+        When the actors and this process are not all on one node, the step runs as actor tasks
+        instead (`_TaskStep`): in Ray 2.60 a compiled graph's channel across nodes, torn down while
+        a remote writer is pushing into it (after an actor or a node is lost), fails a CHECK in the
+        reader's raylet (experimental_mutable_object_provider.cc: WriteAcquire, "Channel closed"),
+        which takes that whole node down (tests/reliability/test_node_loss.py). Tasks cost a
+        submission and an object-store round trip per step, which a step across nodes pays in its
+        transfers anyway."""
+        if self._graph is None and not self.one_node:
+            self._graph = _TaskStep(self.draft, self.target)
         if self._graph is None:
             from ray.dag import InputNode
 
@@ -481,6 +501,32 @@ class SpecCoordinator:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+class _TaskStep:
+    """The step graph's interface (`execute(*calls).get()`, `teardown()`) over ordinary actor tasks:
+    the proposal goes from the draft actor to the target actor as an ObjectRef argument (object store,
+    never through this process). A caller's tasks to one actor run in the order submitted."""
+
+    def __init__(self, draft, target):
+        self.draft, self.target = draft, target
+
+    def execute(self, *calls) -> "_TaskRef":
+        if self.draft is None:
+            return _TaskRef(self.target.step.remote(calls[0]))
+        draft_call, target_call = calls
+        return _TaskRef(self.target.step.remote(target_call, self.draft.propose.remote(draft_call)))
+
+    def teardown(self) -> None:
+        pass  # nothing persists between steps
+
+
+@dataclass(frozen=True)
+class _TaskRef:
+    ref: ray.ObjectRef
+
+    def get(self):
+        return ray.get(self.ref)
 
 
 @dataclass(frozen=True)
