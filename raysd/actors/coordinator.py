@@ -210,7 +210,10 @@ class SpecCoordinator:
         # Bundles 0..N-1: the target's ranks; bundle N: the draft actor, if any.
         tp = config.target_tensor_parallel
         bundles = [config.target_resources.bundle()] * tp + ([] if self.colocated else [config.draft_resources.bundle()])
-        self.placement_group = placement_group(bundles, strategy=config.placement_strategy)
+        # STRICT_PACK asks for this process's node first (a soft hint: elsewhere if it does not fit),
+        # so the step's channels stay in shared memory (`_step_graph`).
+        near = ray.get_runtime_context().get_node_id() if config.placement_strategy == "STRICT_PACK" else None
+        self.placement_group = placement_group(bundles, strategy=config.placement_strategy, _soft_target_node_id=near)
         try:
             ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -296,10 +299,12 @@ class SpecCoordinator:
     def device_channel(self) -> bool:
         """Whether proposals travel as device tensors, GPU to GPU: draft and target on two
         different GPUs (NCCL cannot join two processes on one GPU; those, and CPUs, go through
-        the host over shared memory, the proposal lossless sparse where smaller). A tensor-parallel
-        target's ranks read the proposal from the host: one small message, N readers."""
+        the host over shared memory, the proposal lossless sparse where smaller), on the node
+        of this process (`_step_graph`: across nodes the step runs as tasks, through the host).
+        A tensor-parallel target's ranks read the proposal from the host: one small message, N readers."""
         d, t = self.draft_info.gpu, self.target_info.gpu
-        return self.draft is not None and d is not None and t is not None and d != t and self.tensor_parallel == 1
+        return (self.draft is not None and d is not None and t is not None and d != t and self.one_node
+                and self.tensor_parallel == 1)
 
     @property
     def admission(self) -> Admission:
@@ -485,6 +490,13 @@ class SpecCoordinator:
             raise error
         return outputs[0]
 
+    @property
+    def one_node(self) -> bool:
+        """Whether this process and its actors (every rank of a tensor-parallel target) share one
+        node (the step's channels are then shared memory)."""
+        nodes = {ray.get_runtime_context().get_node_id(), self.draft_info.node, *(i.node for i in self.rank_infos)}
+        return len(nodes) == 1
+
     def _step_graph(self):
         """The replica's step as a Ray compiled graph, set up once (and again after an actor's
         restart): driver -> draft.propose -> target.step -> driver, over channels that live as long
@@ -492,7 +504,17 @@ class SpecCoordinator:
         store and no scheduling. Up to `num_micro_batches` executions are in flight: the draft
         proposes for one micro-batch while the target verifies another. With a colocated drafter
         the graph is the target actor alone. A tensor-parallel target's ranks all take the same
-        call (and the same proposal) and return one output each (MultiOutputNode; `_read`)."""
+        call (and the same proposal) and return one output each (MultiOutputNode; `_read`).
+
+        When the actors and this process are not all on one node, the step runs as actor tasks
+        instead (`_TaskStep`): in Ray 2.60 a compiled graph's channel across nodes, torn down while
+        a remote writer is pushing into it (after an actor or a node is lost), fails a CHECK in the
+        reader's raylet (experimental_mutable_object_provider.cc: WriteAcquire, "Channel closed"),
+        which takes that whole node down (tests/reliability/test_node_loss.py). Tasks cost a
+        submission and an object-store round trip per step, which a step across nodes pays in its
+        transfers anyway."""
+        if self._graph is None and not self.one_node:
+            self._graph = _TaskStep(self.draft, self.targets)
         if self._graph is None:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -572,10 +594,11 @@ class SpecCoordinator:
         no context limit of its own."""
         ranks = [t.info.remote() for t in self.targets]
         if self.draft is None:
-            target = ray.get(ranks, timeout=timeout)[0]
+            self.rank_infos = ray.get(ranks, timeout=timeout)
+            target = self.rank_infos[0]
             return target, dataclasses.replace(target, max_model_len=2**31 - 1, supports_trees=True)
-        target, *_, draft = ray.get([*ranks, self.draft.info.remote()], timeout=timeout)
-        return target, draft
+        *self.rank_infos, draft = ray.get([*ranks, self.draft.info.remote()], timeout=timeout)
+        return self.rank_infos[0], draft
 
     def _wait_for_actors(self, timeout_s: float = 120.0) -> None:
         """Block until the actors answer again (Ray restarts them; calls made to a dying
@@ -589,6 +612,36 @@ class SpecCoordinator:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+class _TaskStep:
+    """The step graph's interface (`execute(*calls).get()`, `teardown()`) over ordinary actor tasks:
+    the proposal goes from the draft actor to the target actor as an ObjectRef argument (object store,
+    never through this process). A caller's tasks to one actor run in the order submitted."""
+
+    def __init__(self, draft, targets: list):
+        self.draft, self.targets = draft, targets
+
+    def execute(self, *calls) -> "_TaskRef | list[_TaskRef]":
+        """One `_TaskRef`; a list of one per rank for a tensor-parallel target (as MultiOutputNode's)."""
+        if self.draft is None:
+            refs = [_TaskRef(t.step.remote(calls[0])) for t in self.targets]
+        else:
+            draft_call, target_call = calls
+            proposed = self.draft.propose.remote(draft_call)  # one proposal, read by every rank
+            refs = [_TaskRef(t.step.remote(target_call, proposed)) for t in self.targets]
+        return refs[0] if len(refs) == 1 else refs
+
+    def teardown(self) -> None:
+        pass  # nothing persists between steps
+
+
+@dataclass(frozen=True)
+class _TaskRef:
+    ref: ray.ObjectRef
+
+    def get(self):
+        return ray.get(self.ref)
 
 
 @dataclass(frozen=True)

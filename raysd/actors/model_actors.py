@@ -221,6 +221,13 @@ def assigned_gpu() -> tuple[str, str] | None:
     return context.get_node_id(), str(context.get_accelerator_ids()["GPU"][0])
 
 
+def current_node() -> str | None:
+    """The Ray node id of this process, or None outside Ray."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def on_device(proposal: Proposal, device: torch.device) -> Proposal:
     """A proposal received as device tensors, on this actor's device (a no-op once NCCL put it there)."""
     return Proposal(proposal.draft_token_ids.to(device), proposal.num_draft_tokens.to(device),
@@ -237,6 +244,7 @@ class ActorInfo:
     supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
     gpu: tuple[str, str] | None = None  # (node id, Ray's GPU id) of the actor's GPU; None on the CPU
     dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
+    node: str | None = None  # the Ray node id of its process (None outside Ray)
     tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
 
 
@@ -315,7 +323,7 @@ class DraftActor:
         trees = self.model is None or (self.spec.runner != "dynamic" and supports_static(self.model)
                                        and self.spec.draft_assist == "none")
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees, assigned_gpu(),
-                         model_dtype(self.model))
+                         model_dtype(self.model), current_node())
 
     def controller_state(self) -> dict:
         """The K controller's pooled evidence and choices (_Planner.state)."""
@@ -418,7 +426,8 @@ class TargetActor:
     def info(self) -> ActorInfo:
         trees = self.runner != "dynamic" and supports_static(self.model)
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
-                         gpu=assigned_gpu(), dtype=model_dtype(self.model), tensor_parallel=self.tensor_parallel)
+                         gpu=assigned_gpu(), dtype=model_dtype(self.model), node=current_node(),
+                         tensor_parallel=self.tensor_parallel)
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

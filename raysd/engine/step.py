@@ -62,8 +62,12 @@ class StepHook:
         if self.controller is None:
             return Plan(self.spec.num_speculative_tokens, self.spec.tree_budget)
         batch = draft.batch
-        if not self.spec.tree_budget and (confidence := draft.confidence()) is not None:
-            return Plan(self.controller.choose_k_by_confidence(confidence, batch.room()))
+        if not self.spec.tree_budget:
+            if self.controller.resting():
+                return Plan(0)
+            start = time.perf_counter()
+            if (confidence := draft.confidence()) is not None:
+                return Plan(self.controller.choose_k_by_confidence(confidence, batch.room(), time.perf_counter() - start))
         return Plan(*self.controller.choose_plan_from(batch.stats.overlap_sum, batch.stats.tested, batch.room()))
 
     def observe(self, verdict: Verdict, draft_s: float, verify_s: float, prefill_s: float) -> None:

@@ -66,6 +66,27 @@ def test_greedy_random_draft_matches_engine_and_target(random_draft):
     print("greedy bytes/step", t.per_step())
 
 
+def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_draft, monkeypatch):
+    """Where this process and its actors are not on one node, each step runs as actor tasks instead
+    of the compiled graph (SpecCoordinator._step_graph): the same tokens and statistics, greedy and
+    seeded sampling."""
+    from raysd.actors.coordinator import _TaskStep
+
+    greedy, sampled = greedy_and_sampled(random_prompts(8, seed=9), max_new_tokens=10)
+    reqs = greedy + sampled
+    graph = random_draft.generate(reqs)
+    assert random_draft.one_node and not isinstance(random_draft._graph, _TaskStep)
+    random_draft._close_graph()
+    monkeypatch.setattr(SpecCoordinator, "one_node", property(lambda self: False))
+    try:
+        tasks = random_draft.generate(reqs)
+        assert isinstance(random_draft._graph, _TaskStep)
+    finally:
+        random_draft._close_graph()
+    assert _tokens(tasks.results) == _tokens(graph.results)
+    assert [r.stats.num_accepted_draft_tokens for r in tasks.results] == [r.stats.num_accepted_draft_tokens for r in graph.results]
+
+
 def test_seeded_sampling_matches_engine(random_draft):
     prompts = random_prompts(8, seed=2)
     reqs = requests(prompts[:4], temperature=1.0, max_new_tokens=10)

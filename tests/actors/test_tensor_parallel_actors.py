@@ -69,6 +69,25 @@ def test_draft_actor_tp2_matches_engine_and_tp1(draft_model_tp2):
     assert out.report.steps > 0 and out.report.recoveries == 0
 
 
+def test_ranks_off_the_drivers_node_step_as_tasks_with_the_same_tokens(draft_model_tp2, monkeypatch):
+    """Across nodes the step runs as actor tasks (`_TaskStep`): every rank gets the same proposal's
+    ObjectRef, and the tokens are the compiled graph's."""
+    from raysd.actors.coordinator import _TaskStep
+
+    c = draft_model_tp2
+    greedy, sampled = greedy_and_sampled(random_prompts(6, seed=9), max_new_tokens=10)
+    graph = c.generate(greedy + sampled)
+    assert c.one_node and not isinstance(c._graph, _TaskStep)
+    c._close_graph()
+    monkeypatch.setattr(SpecCoordinator, "one_node", property(lambda self: False))
+    try:
+        tasks = c.generate(greedy + sampled)
+        assert isinstance(c._graph, _TaskStep)
+    finally:
+        c._close_graph()
+    assert _tokens(tasks.results) == _tokens(graph.results)
+
+
 def test_colocated_suffix_tp2_matches_engine_and_tp1():
     greedy, sampled = greedy_and_sampled(random_prompts(8, seed=4))
     reqs = greedy + sampled

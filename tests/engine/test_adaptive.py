@@ -4,6 +4,8 @@ decoding when speculation does not pay."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -154,10 +156,12 @@ def test_learned_costs_estimate_from_what_was_timed():
     assert not costs.knows(8) and costs.target(8, 3) == 1.0 and costs.draft(8) == 0.0  # nothing timed: all equal
     costs.observe(8, width=1, verify_s=0.010)  # a plain step of 8 rows (bucket 8)
     assert costs.knows(5) and costs.knows(8) and not costs.knows(9)  # buckets: powers of two
-    assert costs.target(8, 0) == 0.010 and costs.target(8, 4) == 0.010  # wider: optimistic until timed
+    assert costs.target(8, 0) == 0.010 and costs.target(8, 1) == 0.010  # twice as wide: optimistic until timed
+    assert costs.target(8, 2) == math.inf  # over twice the widest timed width: not guessed
     costs.observe(7, width=5, verify_s=0.030, draft_forward_s=0.002)
     assert costs.target(8, 4) == 0.030 and costs.target(8, 2) == pytest.approx(0.020)  # interpolated
-    assert costs.target(8, 8) == 0.030 and costs.draft(8) == 0.002
+    assert costs.target(8, 8) == pytest.approx(0.050) and costs.draft(8) == 0.002  # the line through widths 1 and 5
+    assert costs.target(8, 10) == math.inf  # width 11 > 2 x 5
     assert costs.target(32, 4) == 0.030 and costs.draft(1) == 0.002  # the nearest timed bucket
     costs.observe(8, width=1, verify_s=0.020)
     assert costs.target(8, 0) == 0.020  # decay 1: the latest step
@@ -171,14 +175,18 @@ def test_a_learning_controller_starts_plain_explores_once_then_decides_on_measur
     assert ctl.choose_plan_from(*evidence) == (0, 0)  # the safe start
     ctl.observe_step(4, 1, 0, verify_s=0.010, draft_s=0.0)
     k, _ = ctl.choose_plan_from(*evidence)
-    assert k == 4  # every width looks as cheap as a plain step until timed: the widest is tried
-    ctl.observe_step(4, 5, 4, verify_s=0.100, draft_s=0.0)  # and it turns out 10x a plain step
+    assert k == 1  # twice the widest timed width looks as cheap as a plain step until timed: it is tried
+    ctl.observe_step(4, 2, 1, verify_s=0.100, draft_s=0.0)  # and it turns out 10x a plain step
     ctl.observe_all(4 * 0.6, 4)
     assert ctl.choose_plan_from(*evidence)[0] == 0  # drafting does not pay at these costs
     cheap = KController(AdaptiveConfig(prior_alpha=0.6), depth=4)
     cheap.observe_step(4, 1, 0, verify_s=0.010, draft_s=0.0)
-    cheap.observe_step(4, 5, 4, verify_s=0.011, draft_s=0.0)
-    assert cheap.choose_plan_from(*evidence)[0] == 4  # verifying is nearly free: draft long
+    widths = []
+    for _ in range(3):  # verifying is nearly free: each step drafts as wide as it may, doubling
+        k = cheap.choose_plan_from(*evidence)[0]
+        widths.append(k + 1)
+        cheap.observe_step(4, k + 1, k, verify_s=0.010 + 0.0001 * k, draft_s=0.0)
+    assert widths == [2, 4, 5]  # 5: the depth K = 4 caps it
 
 
 def test_learned_costs_keep_greedy_output_identical():
@@ -211,3 +219,29 @@ def test_a_drafters_own_confidence_chooses_k_and_is_calibrated_by_the_verdicts()
         ctl.observe_all(0.0, 4, accepted=0)
     assert ctl.calibration < 0.1
     assert ctl.choose_k_by_confidence(sure, [4] * 4) == 0
+
+
+def test_an_estimate_that_keeps_choosing_plain_decoding_rests_if_it_costs():
+    """KController.resting: where the drafter's confidence costs over REST_ABOVE of a plain step and
+    n estimates in a row chose K = 0, the next 2^n - 1 steps (at most MAX_REST) skip it; an estimate
+    that costs less, or one that chose to draft, never rests."""
+    from raysd.engine.adaptive import MAX_REST
+
+    costs = StepCosts((1, 8), ((1.0, 1.5, 2.0),) * 2, (0.0, 0.0))  # 1 s a plain step
+    unsure = np.array([[0.05, 0.01]] * 4)  # [B, K]
+    sure = np.array([[0.95, 0.9]] * 4)
+    cheap = KController(AdaptiveConfig(costs), depth=2)
+    for _ in range(5):
+        assert cheap.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.005) == 0 and not cheap.resting()
+    ctl = KController(AdaptiveConfig(costs), depth=2)
+    rests = []
+    for _ in range(6):
+        assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.05) == 0
+        n = 0
+        while ctl.resting():
+            n += 1
+        rests.append(n)
+    assert rests == [1, 3, 7, MAX_REST, MAX_REST, MAX_REST]
+    assert ctl.choose_k_by_confidence(sure, [2] * 4, estimate_s=0.05) == 2 and not ctl.resting()
+    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.05) == 0 and ctl.resting()  # afresh: 1 step
+    assert not ctl.resting()

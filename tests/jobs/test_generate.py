@@ -3,6 +3,8 @@ per-row overrides, resume, --overwrite, input formats."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -131,7 +133,7 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     (out / "_tmp").mkdir(exist_ok=True)
     (out / "_tmp" / "part-partial.parquet").write_bytes(b"PAR1 truncated")
 
-    second = generate(cfg)
+    second = generate(dataclasses.replace(cfg, replicas=1))  # the replica count is no part of the job's identity
     assert second.latest_run.rows == lost and second.latest_run.rows_skipped == 12 - lost
     table = read_output(str(out))
     ids = table.column("id").to_pylist()
@@ -150,7 +152,7 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     # A different job into the same output is refused; --overwrite starts over.
     with pytest.raises(JobError, match="different"):
         generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7}))
-    fourth = generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7, "overwrite": True}))
+    fourth = generate(GenerateConfig(**{**cfg.to_dict(), "max_new_tokens": 7, "overwrite": True, "replicas": 1}))
     assert fourth.latest_run.rows == 12 and fourth.latest_run.rows_skipped == 0 and read_output(str(out)).num_rows == 12
 
 

@@ -89,9 +89,6 @@ def _cleanup(cluster, job, *nodes) -> None:
             lose_node(cluster, node)
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "known regression since the step became a compiled graph (issue 40): after the worker holding both "
-    "replica actors is lost, the restarted replicas do not finish the job within 400 s"))
 def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, tmp_path, monkeypatch):
     """Both replica actors (Ray Data's, owning the coordinators) live on the worker, pinned there by
     a custom resource, with one draft/target pair on each node. The worker dies: both replica
