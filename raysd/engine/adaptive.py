@@ -48,7 +48,7 @@ from raysd.models.profile import time_forward, time_forward_upto
 
 
 REST_ABOVE = 0.01  # KController.resting: a confidence estimate costing more than this share of a plain step...
-MAX_REST = 15  # ...rests at most this many steps between estimates while drafting does not pay
+MAX_REST = 15  # ...rests at most this many steps after one that chose K = 0
 
 
 class KController:
@@ -81,7 +81,6 @@ class KController:
         # A drafter's own confidence against what it delivered (choose_k_by_confidence, observe_all).
         self.confidence_expected = self.confidence_accepted = 0.0
         self._expected: float | None = None  # what the last confidence-planned step expected
-        self._idle_estimates = 0  # confidence plans in a row that chose K = 0 (`resting`)
         self._rest = 0  # steps left to plan K = 0 without asking the drafter's confidence
 
     @property
@@ -172,18 +171,19 @@ class KController:
             self.chosen[(0, 0)] += 1
             return 0  # the safe first step at this batch size (choose_plan_from)
         best_k = self._best_k_by_confidence(confidence, budgets)
-        self._idle_estimates = 0 if best_k else self._idle_estimates + 1
-        if not best_k and estimate_s > REST_ABOVE * self.costs.target(B, 0):
-            self._rest = min(2**self._idle_estimates - 1, MAX_REST)
+        plain_s = self.costs.target(B, 0)
+        if not best_k and estimate_s > REST_ABOVE * plain_s:
+            self._rest = min(math.ceil(estimate_s / (REST_ABOVE * plain_s)) - 1, MAX_REST)
         return best_k
 
     def resting(self) -> bool:
         """Whether this step plans K = 0 without asking the drafter's confidence. The estimate costs
         host time every step, K = 0 or not (the suffix drafter: 3.7 ms of a 138 ms step at batch 32
-        on two CPU cores, SmolLM2-135M). Where it costs over REST_ABOVE of a plain step, n
-        estimates in a row that chose K = 0 rest the next 2^n - 1 steps (at most MAX_REST), so a
-        job where drafting does not pay loses at most ~REST_ABOVE to asking, and one where it
-        starts to pay finds out within MAX_REST + 1 steps."""
+        on two CPU cores, SmolLM2-135M). An estimate that chose K = 0 and cost over REST_ABOVE of a
+        plain step rests the next steps, as many as bring it to REST_ABOVE of the steps it covers
+        (at most MAX_REST): a job where drafting does not pay loses at most ~REST_ABOVE to asking,
+        and the estimate still comes often enough to find rows where it starts to pay, and for its
+        calibration to follow (3 steps apart in the example above)."""
         if self._rest <= 0:
             return False
         self._rest -= 1

@@ -221,27 +221,26 @@ def test_a_drafters_own_confidence_chooses_k_and_is_calibrated_by_the_verdicts()
     assert ctl.choose_k_by_confidence(sure, [4] * 4) == 0
 
 
-def test_an_estimate_that_keeps_choosing_plain_decoding_rests_if_it_costs():
-    """KController.resting: where the drafter's confidence costs over REST_ABOVE of a plain step and
-    n estimates in a row chose K = 0, the next 2^n - 1 steps (at most MAX_REST) skip it; an estimate
-    that costs less, or one that chose to draft, never rests."""
-    from raysd.engine.adaptive import MAX_REST
+def test_an_estimate_that_chooses_plain_decoding_rests_as_long_as_it_costs():
+    """KController.resting: an estimate of the drafter's confidence that chose K = 0 and cost over
+    REST_ABOVE of a plain step skips the next steps, as many as bring it to REST_ABOVE of the steps it
+    covers (at most MAX_REST); one that costs less, or one that chose to draft, never rests."""
+    from raysd.engine.adaptive import MAX_REST, REST_ABOVE
 
     costs = StepCosts((1, 8), ((1.0, 1.5, 2.0),) * 2, (0.0, 0.0))  # 1 s a plain step
     unsure = np.array([[0.05, 0.01]] * 4)  # [B, K]
     sure = np.array([[0.95, 0.9]] * 4)
-    cheap = KController(AdaptiveConfig(costs), depth=2)
-    for _ in range(5):
-        assert cheap.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.005) == 0 and not cheap.resting()
     ctl = KController(AdaptiveConfig(costs), depth=2)
-    rests = []
-    for _ in range(6):
-        assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.05) == 0
+
+    def rests() -> int:
         n = 0
         while ctl.resting():
             n += 1
-        rests.append(n)
-    assert rests == [1, 3, 7, MAX_REST, MAX_REST, MAX_REST]
-    assert ctl.choose_k_by_confidence(sure, [2] * 4, estimate_s=0.05) == 2 and not ctl.resting()
-    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.05) == 0 and ctl.resting()  # afresh: 1 step
-    assert not ctl.resting()
+        return n
+
+    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=0.5 * REST_ABOVE) == 0 and rests() == 0
+    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=3 * REST_ABOVE) == 0 and rests() == 2
+    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=2.5 * REST_ABOVE) == 0 and rests() == 2
+    assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=100 * REST_ABOVE) == 0 and rests() == MAX_REST
+    assert ctl.choose_k_by_confidence(sure, [2] * 4, estimate_s=3 * REST_ABOVE) == 2 and rests() == 0
+    assert ctl.chosen[(0, 0)] == 4 + 2 + 2 + MAX_REST  # a rested step counts as a plain one
