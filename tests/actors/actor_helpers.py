@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import threading
+import time
 
 import ray
 import torch
@@ -47,3 +51,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=EOS, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def kill_mid_generate(coordinator, reqs, pid: int, after_steps: int = 4, timeout_s: float = 240.0):
+    """`coordinator.generate(reqs)` in a thread, process `pid` SIGKILLed once `after_steps` more
+    micro-batch steps have completed; the run's RunOutput (the call must finish within `timeout_s`)."""
+    box = {}
+    runner = threading.Thread(target=lambda: box.setdefault("out", coordinator.generate(reqs)))
+    start = coordinator.steps_completed
+    runner.start()
+    deadline = time.monotonic() + 60
+    while coordinator.steps_completed < start + after_steps and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=timeout_s)
+    assert not runner.is_alive(), "generate did not finish after the kill"
+    return box["out"]

@@ -21,7 +21,7 @@ from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.requests import Request
-from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, random_prompts, requests
+from tests.actors.actor_helpers import factory, greedy_and_sampled, hf_greedy, kill_mid_generate, random_prompts, requests
 from tests.conftest import EOS, VOCAB, tiny_eagle, tiny_model
 from tests.core.test_distribution import chi_square_pvalue
 
@@ -203,17 +203,7 @@ def test_killed_actors_rerun_their_rows(random_draft):
     with _coordinator(DrafterSpec(factory("llama", 1))) as c:
         for actor in (c.target, c.draft):
             pid = ray.get(actor.info.remote()).pid
-            box = {}
-            runner = threading.Thread(target=lambda: box.setdefault("out", c.generate(reqs)))
-            start_steps = c.steps_completed
-            runner.start()
-            deadline = time.monotonic() + 60
-            while c.steps_completed < start_steps + 4 and time.monotonic() < deadline:
-                time.sleep(0.002)
-            os.kill(pid, signal.SIGKILL)
-            runner.join(timeout=150)
-            assert not runner.is_alive()
-            out = box["out"]
+            out = kill_mid_generate(c, reqs, pid, timeout_s=150)
             assert out.report.recoveries >= 1
             assert ray.get(actor.info.remote()).pid != pid  # restarted
             assert [r.request_id for r in out.results] == [r.request_id for r in reqs]

@@ -5,11 +5,6 @@ killed rank restarts both ranks in a new group and the rows re-run once."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 import ray
 
@@ -19,7 +14,7 @@ from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.suffix import SuffixDrafter
 from raysd.models.tensor_parallel import TensorParallel
-from tests.actors.actor_helpers import factory, greedy_and_sampled, random_prompts, requests
+from tests.actors.actor_helpers import factory, greedy_and_sampled, kill_mid_generate, random_prompts, requests
 from tests.conftest import EOS, VOCAB, tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
@@ -113,17 +108,7 @@ def test_killed_rank_restarts_every_rank_and_reruns_the_rows_once():
     engine = _engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs)
     with _coordinator(DrafterSpec(factory("llama", 1)), tp=2) as c:
         old = [ray.get(t.info.remote()).pid for t in c.targets]
-        box = {}
-        runner = threading.Thread(target=lambda: box.setdefault("out", c.generate(reqs)))
-        start = c.steps_completed
-        runner.start()
-        deadline = time.monotonic() + 60
-        while c.steps_completed < start + 4 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        os.kill(old[1], signal.SIGKILL)  # rank 1: rank 0 is left blocked in, or failed by, a collective
-        runner.join(timeout=240)
-        assert not runner.is_alive()
-        out = box["out"]
+        out = kill_mid_generate(c, reqs, old[1])  # rank 1: rank 0 is left blocked in, or failed by, a collective
         assert out.report.recoveries >= 1
         new = [ray.get(t.info.remote()).pid for t in c.targets]
         assert not set(new) & set(old)  # both ranks started afresh
