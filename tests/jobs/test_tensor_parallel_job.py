@@ -10,14 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig, JobError, generate
+from raysd.jobs.replica import row_seed
 from raysd.jobs.runner import check_job
 from tests.jobs.conftest import token_prompts
-from tests.jobs.test_generate import by_id, read_output
+from tests.jobs.test_generate import by_id, read_output, reference
 from tests.jobs.test_options import parse
-
-ROW_KEYS = ("generated_token_ids", "finish_reason", "num_draft_tokens", "num_accepted_draft_tokens")
-
 
 def _job(tmp_path, name, target, draft, tp, **kw) -> GenerateConfig:
     return GenerateConfig(input=str(tmp_path / "in.parquet"), output=str(tmp_path / name), target=target, draft=draft,
@@ -26,17 +25,19 @@ def _job(tmp_path, name, target, draft, tp, **kw) -> GenerateConfig:
 
 
 @pytest.mark.slow
-def test_tp2_job_writes_the_tp1_rows(tmp_path, model_dirs, local_ray):
-    """Seeded samples (the stronger form: every draw must agree); greedy rows: the tests beside."""
+def test_tp2_job_writes_the_whole_targets_rows(tmp_path, model_dirs, local_ray):
+    """Seeded samples (the stronger form: every draw must agree) equal to the whole target's in the
+    single-process engine; greedy rows: the tests beside."""
     target, draft = model_dirs
-    pq.write_table(pa.Table.from_pylist([{"id": i, "prompt": p} for i, p in enumerate(token_prompts(10, seed=5))]),
-                   tmp_path / "in.parquet")
-    rows = {}
-    for tp in (1, 2):
-        cfg = _job(tmp_path, f"out{tp}", target, draft, tp, temperature=0.8, seed=3)
-        generate(cfg)
-        rows[tp] = {i: {k: r[k] for k in ROW_KEYS} for i, r in by_id(read_output(cfg.output)).items()}
-    assert len(rows[2]) == 10 and rows[2] == rows[1]
+    prompts = token_prompts(10, seed=5)
+    pq.write_table(pa.Table.from_pylist([{"id": i, "prompt": p} for i, p in enumerate(prompts)]), tmp_path / "in.parquet")
+    cfg = _job(tmp_path, "out", target, draft, 2, temperature=0.8, seed=3)
+    generate(cfg)
+    rows = by_id(read_output(cfg.output))
+    # The whole target, in one process (a TP = 1 job writes the engine's tokens: tests/jobs/test_generate.py).
+    params = [SamplingParams(temperature=0.8, seed=row_seed(3, i), max_new_tokens=10) for i in range(10)]
+    expected = reference(target, draft, prompts, params, k=3)
+    assert len(rows) == 10 and [rows[i]["generated_token_ids"] for i in range(10)] == expected
 
 
 def test_the_flag_and_its_one_line_errors(tmp_path, model_dirs):
