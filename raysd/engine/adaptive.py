@@ -47,6 +47,7 @@ from raysd.core.tree_shape import RANK_PRIOR, TreeShape, tree_shape
 from raysd.models.profile import time_forward, time_forward_upto
 
 
+FIRST_REPLAIN, MAX_REPLAIN = 8, 256  # LearnedStepCosts.wants_plain: drafting steps between plain re-timings
 REST_ABOVE = 0.01  # KController.resting: a confidence estimate costing more than this share of a plain step...
 MAX_REST = 15  # ...rests at most this many steps after one that chose K = 0
 
@@ -104,8 +105,8 @@ class KController:
         (k = 0: plain decoding), (k, P) the tree of budget P cut at depth k. A tree must beat the
         best chain strictly, so with no tree budget this is (choose_k_from, 0)."""
         alphas = self._alphas(overlap_sums, tested)
-        if isinstance(self.costs, LearnedStepCosts) and not self.costs.knows(len(alphas)):
-            plan = (0, 0)  # a safe first step at this batch size: plain decoding, which measures T_target(B, 1)
+        if isinstance(self.costs, LearnedStepCosts) and self.costs.wants_plain(len(alphas)):
+            plan = (0, 0)  # a safe first step at this batch size (plain decoding measures T_target(B, 1)), or a re-timing
             self.chosen[plan] += 1
             return plan
         plan = (choose_k(alphas, budgets, self.config, self.costs), 0)
@@ -167,9 +168,9 @@ class KController:
         c sum_{i < min(k, budget_b)} confidence[b, i] tokens per row, against the step's cost.
         `estimate_s`: the seconds the drafter took for `confidence` (see `resting`)."""
         B = len(budgets)
-        if isinstance(self.costs, LearnedStepCosts) and not self.costs.knows(B):
+        if isinstance(self.costs, LearnedStepCosts) and self.costs.wants_plain(B):
             self.chosen[(0, 0)] += 1
-            return 0  # the safe first step at this batch size (choose_plan_from)
+            return 0  # the safe first step at this batch size, or a re-timing (choose_plan_from)
         best_k = self._best_k_by_confidence(confidence, budgets)
         plain_s = self.costs.target(B, 0)
         if not best_k and estimate_s > REST_ABOVE * plain_s:
@@ -335,6 +336,9 @@ class LearnedStepCosts:
         self.k_max, self.decay = k_max, decay
         self.verify: dict[int, dict[int, float]] = {}  # bucket -> width -> seconds
         self.draft_forward: dict[int, float] = {}  # bucket -> seconds of one draft forward
+        self.seen: Counter[tuple[int, int]] = Counter()  # (bucket, width) -> steps timed (width 0: a draft forward)
+        self.since_plain: Counter[int] = Counter()  # bucket -> steps timed since its last plain one
+        self.replain: dict[int, int] = {}  # bucket -> steps between re-timings of a plain step (doubling)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -342,15 +346,35 @@ class LearnedStepCosts:
 
     def observe(self, batch_size: int, width: int, verify_s: float, draft_forward_s: float | None = None) -> None:
         b = self.bucket(batch_size)
-        table = self.verify.setdefault(b, {})
-        table[width] = verify_s if width not in table else (1 - self.decay) * table[width] + self.decay * verify_s
+        self._update(self.verify.setdefault(b, {}), width, (b, width), verify_s)
         if draft_forward_s is not None:
-            old = self.draft_forward.get(b)
-            self.draft_forward[b] = draft_forward_s if old is None else (1 - self.decay) * old + self.decay * draft_forward_s
+            self._update(self.draft_forward, b, (b, 0), draft_forward_s)
+        if width == 1:
+            if self.since_plain[b] >= self.replain.get(b, FIRST_REPLAIN):
+                self.replain[b] = min(2 * self.replain.get(b, FIRST_REPLAIN), MAX_REPLAIN)
+            self.since_plain[b] = 0
+        else:
+            self.since_plain[b] += 1
+
+    def _update(self, table: dict, key: int, seen: tuple[int, int], seconds: float) -> None:
+        """A running mean, but a shape's second timing replaces its first: the first call of a new
+        shape pays one-time work (kernel selection, buffers; a plain step at batch 8 timed 100 ms
+        first and 71-73 ms after), and left in it would make every other width look cheap."""
+        self.seen[seen] += 1
+        table[key] = seconds if self.seen[seen] <= 2 else (1 - self.decay) * table[key] + self.decay * seconds
 
     def knows(self, batch_size: int) -> bool:
         """Whether a plain step (width 1) has been timed in this batch size's bucket."""
         return 1 in self.verify.get(self.bucket(batch_size), {})
+
+    def wants_plain(self, batch_size: int) -> bool:
+        """Whether the next step at this batch size should be plain decoding: none timed in its bucket
+        yet, or FIRST_REPLAIN, then twice as many (up to MAX_REPLAIN) drafting steps since the last.
+        Every plan is weighed against T_target(B, 1), which drafting steps never time: re-timing it
+        replaces its cold first timing and follows the rows' growing context, at a few plain steps
+        over a whole job."""
+        b = self.bucket(batch_size)
+        return not self.knows(batch_size) or self.since_plain[b] >= self.replain.get(b, FIRST_REPLAIN)
 
     def _nearest(self, table: dict[int, object], batch_size: int):
         b = self.bucket(batch_size)

@@ -167,6 +167,30 @@ def test_learned_costs_estimate_from_what_was_timed():
     assert costs.target(8, 0) == 0.020  # decay 1: the latest step
 
 
+def test_learned_costs_replace_a_cold_first_timing_and_retime_plain_steps():
+    """A shape's first timing pays one-time work: its second replaces it. T_target(B, 1), against which
+    every plan is weighed, is re-timed after 8, 16, 32, .. drafting steps (`wants_plain`)."""
+    from raysd.engine.adaptive import FIRST_REPLAIN, LearnedStepCosts
+
+    costs = LearnedStepCosts(k_max=4)  # decay 0.25
+    assert costs.wants_plain(8)
+    costs.observe(8, width=1, verify_s=0.100)  # cold
+    costs.observe(8, width=1, verify_s=0.070)
+    assert costs.target(8, 0) == 0.070 and not costs.wants_plain(8)
+    costs.observe(8, width=1, verify_s=0.080)
+    assert costs.target(8, 0) == pytest.approx(0.0725)  # from the third on, a running mean
+    gaps = []
+    for _ in range(3):
+        n = 0
+        while not costs.wants_plain(8):
+            costs.observe(8, width=3, verify_s=0.1)
+            n += 1
+        gaps.append(n)
+        costs.observe(8, width=1, verify_s=0.07)
+    assert gaps == [FIRST_REPLAIN, 2 * FIRST_REPLAIN, 4 * FIRST_REPLAIN]
+    assert costs.wants_plain(2)  # each bucket its own: none timed at batch 2 yet
+
+
 def test_a_learning_controller_starts_plain_explores_once_then_decides_on_measured_costs():
     """No profile: the first step at a batch size is plain decoding (it times T_target(B, 1));
     drafting is then tried where it might pay, and kept only if the timed steps say it does."""
