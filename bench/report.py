@@ -68,15 +68,19 @@ def load_text(before, after, during=None) -> str:
 
 
 def bench_table(entry: dict) -> list[str]:
-    path = entry["files"][0]["path"]
-    r = record.read(ROOT / path)
-    v = r["versions"]
-    out = [f"`{path}`: {machine_text(r['machine'])}; measured {r['date_utc']}; "
-           f"{load_text(r['load_average']['before'][0], r['load_average']['after'][0])}; torch {v['torch']}, "
-           f"transformers {v['transformers']}, commit {str(v['raysd_commit'])[:12]}"
-           + ("; **--quick: not a measurement**" if r["quick"] else "") + ".", ""]
-    out += variants_table(r, entry.get("variants"))
-    return out + ["", f"Reproduce: `{r['command']}`."]
+    """One table per result file (e.g. one run per batch size), each with its machine and command."""
+    out: list[str] = []
+    for f in entry["files"]:
+        path = f["path"]
+        r = record.read(ROOT / path)
+        v = r["versions"]
+        out += [f"`{path}`: {machine_text(r['machine'])}; measured {r['date_utc']}; "
+                f"{load_text(r['load_average']['before'][0], r['load_average']['after'][0])}; torch {v['torch']}, "
+                f"transformers {v['transformers']}, commit {str(v['raysd_commit'])[:12]}"
+                + ("; **--quick: not a measurement**" if r["quick"] else "") + ".", ""]
+        out += variants_table(r, entry.get("variants"))
+        out += ["", f"Reproduce: `{r['command']}`.", ""]
+    return out[:-1]
 
 
 def legacy_table(entry: dict) -> list[str]:
