@@ -19,8 +19,8 @@ from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 # The default drafter: one constant, changed here only. Suffix decoding learns the job's own
 # templates at no model cost; on the embedded model it beat both n-gram lookup and plain decoding
-# on a templated dataset (2.26x plain at batch 1, 1.26x at 8) and on Spec-Bench (1.10x, 1.01x);
-# at batch 32, 0.92x on the templated set (docs/performance.md).
+# on a templated dataset (1.87x plain at batch 1, 1.29x at 8, 1.05x at 32) and is about even on
+# Spec-Bench (docs/performance.md).
 DEFAULT_DRAFT = "suffix"
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
