@@ -212,7 +212,8 @@ class SpecCoordinator:
         bundles = [config.target_resources.bundle()] * tp + ([] if self.colocated else [config.draft_resources.bundle()])
         # STRICT_PACK asks for this process's node first (a soft hint: elsewhere if it does not fit),
         # so the step's channels stay in shared memory (`_step_graph`).
-        near = ray.get_runtime_context().get_node_id() if config.placement_strategy == "STRICT_PACK" else None
+        self._node = ray.get_runtime_context().get_node_id()  # this process's node (`one_node`)
+        near = self._node if config.placement_strategy == "STRICT_PACK" else None
         self.placement_group = placement_group(bundles, strategy=config.placement_strategy, _soft_target_node_id=near)
         try:
             ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
@@ -494,7 +495,7 @@ class SpecCoordinator:
     def one_node(self) -> bool:
         """Whether this process and its actors (every rank of a tensor-parallel target) share one
         node (the step's channels are then shared memory)."""
-        nodes = {ray.get_runtime_context().get_node_id(), self.draft_info.node, *(i.node for i in self.rank_infos)}
+        nodes = {self._node, self.draft_info.node, *(i.node for i in self.rank_infos)}
         return len(nodes) == 1
 
     def _step_graph(self):
