@@ -8,8 +8,9 @@ token-id prompts of 16-64 random tokens; greedy, no EOS (every row makes --max-n
 
     engine     SpecEngine.generate over every prompt (max_batch_size = B), models loaded first (untimed
                for tokens/s; `with_load_s` includes them)
-    actors     a SpecCoordinator as a job's replica builds it (same resources), its generate; timed
-               from its construction (actors and models) and without (`generate_s`)
+    actors     a job's replica (GenerationReplica: its SpecCoordinator, same resources) in a Ray actor
+               as Ray Data runs it, its generate; timed from its construction (actors and models)
+               and without (`generate_s`)
     pipeline   raysd.jobs.runner.generate on a JSON Lines file of the prompts: its summary's wall,
                and the wall's phases (time_breakdown["wall"])
 
@@ -129,15 +130,18 @@ def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
     cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens)
     start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False)  # untimed
     try:
+        # The job's own replica (coordinator, actors, micro-batches, K) in a Ray actor as Ray Data runs
+        # it (a Ray worker, at Ray's worker niceness), without Ray Data; the prompts travel with the call.
         start = time.perf_counter()
-        replica = GenerationReplica(cfg)  # the job's own coordinator, actors, micro-batches and K (no Ray Data)
+        replica = ray.remote(num_cpus=0)(GenerationReplica).remote(cfg)
         try:
+            ray.get(replica.__ray_ready__.remote())
             built = time.perf_counter()
-            per_prompt, report = replica.generate([{"id": str(i), "prompt": p} for i, p in enumerate(prompts)])
+            per_prompt, report = ray.get(replica.generate.remote([{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]))
             end = time.perf_counter()
             rows = [r for [r] in per_prompt]  # one sample per prompt
         finally:
-            replica.shutdown()
+            ray.get(replica.shutdown.remote())
     finally:
         ray.shutdown()
     return figures(Counts.of_rows(rows), end - start, timed="the replica's start (actors, models) + its generate",

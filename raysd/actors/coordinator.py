@@ -407,7 +407,8 @@ class SpecCoordinator:
         cfg = self.config
         report.slots = cfg.micro_batch_size * cfg.num_micro_batches
         mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
-        in_flight: deque[tuple[object, _MicroBatch, int]] = deque()  # executions of the step graph, oldest first
+        in_flight: deque[tuple[object, _MicroBatch, int, float]] = deque()  # executions of the step graph, oldest first
+        pacer = _ReadPacer()
         while True:
             if refill is not None:
                 idle = not (waiting or in_flight or any(mb.rows for mb in mbs))
@@ -430,13 +431,16 @@ class SpecCoordinator:
                             in_flight.append(self._submit(mb))
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
-                ref, mb, nbytes = in_flight.popleft()
+                ref, mb, nbytes, submitted_at = in_flight.popleft()
+                pacer.nap(submitted_at)
                 verdict, timings = self._read(ref)
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
                 # gone. Re-run their rows from the start; finished results stay.
                 self._recover(mbs, waiting, in_flight, report, exc)
+                pacer = _ReadPacer()
                 continue
+            pacer.ready(timings, colocated=self.draft is None)
             report.active_rows += timings.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
             self._take(mb, verdict, timings, results, report)
             t = report.transfer
@@ -461,7 +465,7 @@ class SpecCoordinator:
             mb.rows.append(item)
             mb.new.append(item)
 
-    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int]:
+    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int, float]:
         """One step of `mb`, one execution of the step graph (`_step_graph`): the draft actor gets
         the last verdict and the new rows, the target actor the new rows and the draft's proposal."""
         spec = self.admission.spec if mb.fresh else None
@@ -473,7 +477,7 @@ class SpecCoordinator:
             draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s)
             ref = self._step_graph().execute(draft_call, target_call)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
-        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0)
+        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter()
 
     def _read(self, ref) -> tuple[Verdict, StepTimings]:
         """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
@@ -613,6 +617,42 @@ class SpecCoordinator:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+class _ReadPacer:
+    """When to start waiting for a step's result. Ray 2.60's compiled-graph channel read spins
+    (sched_yield in PlasmaObjectHeader::ReadAcquire) for as long as it waits, so a coordinator
+    that called `get()` at once would burn a core for the whole of every step: a core the
+    target's torch threads need where cores are few. Measured on 2 cores, a 4 ms step of the
+    fast-step target, B = 32: the replica's process at 93% CPU, the target actor (Ray workers
+    run at nice 15) slowed 16x when it had both cores. So the read starts just before the
+    step is expected to end: from when the target could start it (its submission plus the
+    draft's proposing, or the previous result, whichever is later) plus the target's time
+    on the last step, less a slack (SLACK_FRACTION of that time + SLACK_S) spent spinning.
+    A step that ends earlier than that waits at most the slack's complement; the first
+    step (no estimate yet) is read at once."""
+
+    SLACK_FRACTION = 0.15
+    SLACK_S = 2e-4
+    MIN_NAP_S = 5e-4  # below it, sleeping's own wake-up jitter costs more than the spin
+
+    def __init__(self):
+        self.ready_at = 0.0  # perf_counter when the last result was read
+        self.target_s: float | None = None  # the target's time on the last call
+        self.draft_s = 0.0  # the draft actor's proposing on the last call (0 when colocated)
+
+    def nap(self, submitted_at: float) -> None:
+        if self.target_s is None:
+            return
+        ends = max(submitted_at + self.draft_s, self.ready_at) + self.target_s
+        delay = ends - self.SLACK_FRACTION * self.target_s - self.SLACK_S - time.perf_counter()
+        if delay > self.MIN_NAP_S:
+            time.sleep(delay)
+
+    def ready(self, timings: StepTimings, colocated: bool) -> None:
+        self.ready_at = time.perf_counter()
+        self.target_s = timings.wall_s
+        self.draft_s = 0.0 if colocated else timings.draft_s
 
 
 class _TaskStep:

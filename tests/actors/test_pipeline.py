@@ -87,6 +87,33 @@ def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_d
     assert [r.stats.num_accepted_draft_tokens for r in tasks.results] == [r.stats.num_accepted_draft_tokens for r in graph.results]
 
 
+def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
+    """The coordinator sleeps instead of spinning in the channel read until the step is about to
+    end (SpecCoordinator._serve, _ReadPacer): from when the target can start it (submission plus
+    the draft's proposing, or the last result) plus the target's last time, less the slack."""
+    from raysd.actors import coordinator
+    from raysd.engine.step import StepTimings
+
+    now, slept = [10.0], []
+    monkeypatch.setattr(coordinator.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(coordinator.time, "sleep", slept.append)
+    pacer = coordinator._ReadPacer()
+    pacer.nap(submitted_at=9.9)
+    assert slept == []  # no estimate yet: read at once
+    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.020), colocated=False)  # ready at 10.0
+    pacer.nap(submitted_at=10.001)  # the target starts once the draft has proposed (10.005)
+    assert slept == [pytest.approx(10.005 + 0.020 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S - 10.0)]
+    now[0] = 10.030
+    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.020), colocated=False)
+    slept.clear()
+    pacer.nap(submitted_at=10.0)  # submitted long ago (two micro-batches in flight): from the last result
+    assert slept == [pytest.approx(0.020 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
+    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.0004), colocated=True)
+    slept.clear()
+    pacer.nap(submitted_at=10.030)  # a step shorter than the nap's wake-up jitter: spin
+    assert slept == []
+
+
 def test_seeded_sampling_matches_engine(random_draft):
     prompts = random_prompts(8, seed=2)
     reqs = requests(prompts[:4], temperature=1.0, max_new_tokens=10)
