@@ -627,32 +627,34 @@ class _ReadPacer:
     fast-step target, B = 32: the replica's process at 93% CPU, the target actor (Ray workers
     run at nice 15) slowed 16x when it had both cores. So the read starts just before the
     step is expected to end: from when the target could start it (its submission plus the
-    draft's proposing, or the previous result, whichever is later) plus the target's time
-    on the last step, less a slack (SLACK_FRACTION of that time + SLACK_S) spent spinning.
-    A step that ends earlier than that waits at most the slack's complement; the first
-    step (no estimate yet) is read at once."""
+    draft's proposing, or the previous result, whichever is later) plus the target's time,
+    less a slack (SLACK_FRACTION of that time + SLACK_S) spent spinning. The times are the
+    shortest of the last RECENT calls, so that a step cheaper than the one before (`-k auto`
+    choosing K = 0 after K = 4, the batch's last rows) is not overslept; the first step (no
+    estimate yet) is read at once."""
 
     SLACK_FRACTION = 0.15
     SLACK_S = 2e-4
     MIN_NAP_S = 5e-4  # below it, sleeping's own wake-up jitter costs more than the spin
+    RECENT = 8
 
     def __init__(self):
         self.ready_at = 0.0  # perf_counter when the last result was read
-        self.target_s: float | None = None  # the target's time on the last call
-        self.draft_s = 0.0  # the draft actor's proposing on the last call (0 when colocated)
+        self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
 
     def nap(self, submitted_at: float) -> None:
-        if self.target_s is None:
+        if not self.recent:
             return
-        ends = max(submitted_at + self.draft_s, self.ready_at) + self.target_s
-        delay = ends - self.SLACK_FRACTION * self.target_s - self.SLACK_S - time.perf_counter()
+        target_s = min(t for t, _ in self.recent)
+        draft_s = min(d for _, d in self.recent)
+        ends = max(submitted_at + draft_s, self.ready_at) + target_s
+        delay = ends - self.SLACK_FRACTION * target_s - self.SLACK_S - time.perf_counter()
         if delay > self.MIN_NAP_S:
             time.sleep(delay)
 
     def ready(self, timings: StepTimings, colocated: bool) -> None:
         self.ready_at = time.perf_counter()
-        self.target_s = timings.wall_s
-        self.draft_s = 0.0 if colocated else timings.draft_s
+        self.recent.append((timings.wall_s, 0.0 if colocated else timings.draft_s))
 
 
 class _TaskStep:

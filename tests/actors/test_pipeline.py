@@ -108,10 +108,17 @@ def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     slept.clear()
     pacer.nap(submitted_at=10.0)  # submitted long ago (two micro-batches in flight): from the last result
     assert slept == [pytest.approx(0.020 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
-    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.0004), colocated=True)
+    now[0] = 10.060
+    pacer.ready(StepTimings(draft_s=0.002, wall_s=0.010), colocated=False)  # a cheaper step (K = 0)
+    now[0] = 10.070
+    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.020), colocated=False)
     slept.clear()
-    pacer.nap(submitted_at=10.030)  # a step shorter than the nap's wake-up jitter: spin
-    assert slept == []
+    pacer.nap(submitted_at=10.070)  # the shortest recent times: a cheap step is not overslept
+    assert slept == [pytest.approx(0.002 + 0.010 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
+    pacer = coordinator._ReadPacer()
+    pacer.ready(StepTimings(wall_s=0.0004), colocated=True)
+    pacer.nap(submitted_at=10.070)  # a step shorter than the nap's wake-up jitter: spin
+    assert slept == [pytest.approx(0.002 + 0.010 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
 
 
 def test_seeded_sampling_matches_engine(random_draft):
