@@ -100,17 +100,16 @@ def legacy_table(entry: dict) -> list[str]:
 
 
 def smoke_table(pattern: str) -> list[str]:
+    """One line: each smoke run's scenario, date and checks (the files say the rest)."""
     files = sorted(glob.glob(str(ROOT / pattern)))
     if not files:
         return ["None yet."]
-    lines = ["| scenario | command | date (UTC) | machine | s | checks |", "|---|---|---|---|---|---|"]
+    runs = []
     for path in files:
         r = record.read(path)
         ok = all(c.get("ok", True) for c in r["checks"].values())
-        m = r["machine"]
-        lines.append(f"| {r['scenario']} | `{r['command']}` | {r['date_utc'][:16]} | {m['cpu']}, {m['cores']} cores, "
-                     f"load {fmt(r['load_average']['before'][0])} | {r['elapsed_s']:.0f} | {'ok' if ok else 'FAILED'} |")
-    return lines
+        runs.append(f"{r['scenario']} ({r['date_utc'][:10]}, {r['elapsed_s']:.0f} s, {'ok' if ok else 'FAILED'})")
+    return [f"`{pattern}`: " + "; ".join(runs) + "."]
 
 
 def render(manifest: dict) -> str:

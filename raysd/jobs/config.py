@@ -212,7 +212,9 @@ class GenerateConfig:
         replica's target and draft model get an equal share, the target all of it with a
         model-free drafter. torch runs as many threads as its actor has CPUs (Ray sets
         OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
-        than with one (docs/history/benchmarks.md, Benchmark 6). Elsewhere (GPUs, or a cluster) 1."""
+        than with one (docs/history/benchmarks.md, Benchmark 6); SmolLM2 through a job, 1.3x.
+        No core is kept for the replica's own process: it sleeps through each step (SpecCoordinator's
+        _ReadPacer). Elsewhere (GPUs, or a cluster) 1."""
         if self.num_cpus_per_actor is not None:
             return self
         cpus = 1.0
