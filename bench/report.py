@@ -99,7 +99,7 @@ def legacy_table(entry: dict) -> list[str]:
                       f"`{entry['reproduce']}`."]
 
 
-def smoke_table(pattern: str) -> list[str]:
+def smoke_line(pattern: str) -> list[str]:
     """One line: each smoke run's scenario, date and checks (the files say the rest)."""
     files = sorted(glob.glob(str(ROOT / pattern)))
     if not files:
@@ -131,7 +131,7 @@ def render(manifest: dict) -> str:
                 lines += [t["note"].strip()]
     lines += ["", "## Not measured yet", ""] + [f"- {x.strip()}" for x in page["not_measured"]]
     lines += ["", "## Smoke runs of the current code", "", page["smoke_intro"].strip(), ""]
-    lines += smoke_table(page["smoke"])
+    lines += smoke_line(page["smoke"])
     text = "\n".join(lines) + "\n"
     if text.count("\n") > MAX_LINES:
         raise ValueError(f"the page has {text.count(chr(10))} lines, over {MAX_LINES}: trim the manifest")

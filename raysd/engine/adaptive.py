@@ -105,10 +105,8 @@ class KController:
         (k = 0: plain decoding), (k, P) the tree of budget P cut at depth k. A tree must beat the
         best chain strictly, so with no tree budget this is (choose_k_from, 0)."""
         alphas = self._alphas(overlap_sums, tested)
-        if isinstance(self.costs, LearnedStepCosts) and self.costs.wants_plain(len(alphas)):
-            plan = (0, 0)  # a safe first step at this batch size (plain decoding measures T_target(B, 1)), or a re-timing
-            self.chosen[plan] += 1
-            return plan
+        if self._plain_to_time(len(alphas)):
+            return 0, 0
         plan = (choose_k(alphas, budgets, self.config, self.costs), 0)
         if self.trees and len(alphas):
             best = self.goodput(alphas, budgets, *plan)
@@ -168,14 +166,22 @@ class KController:
         c sum_{i < min(k, budget_b)} confidence[b, i] tokens per row, against the step's cost.
         `estimate_s`: the seconds the drafter took for `confidence` (see `resting`)."""
         B = len(budgets)
-        if isinstance(self.costs, LearnedStepCosts) and self.costs.wants_plain(B):
-            self.chosen[(0, 0)] += 1
-            return 0  # the safe first step at this batch size, or a re-timing (choose_plan_from)
+        if self._plain_to_time(B):
+            return 0
         best_k = self._best_k_by_confidence(confidence, budgets)
         plain_s = self.costs.target(B, 0)
         if not best_k and estimate_s > REST_ABOVE * plain_s:
             self._rest = min(math.ceil(estimate_s / (REST_ABOVE * plain_s)) - 1, MAX_REST)
         return best_k
+
+    def _plain_to_time(self, batch_size: int) -> bool:
+        """Whether this step is plain decoding, chosen (and counted) before any plan is weighed:
+        with costs learned from the steps, a safe first step at this batch size (plain decoding
+        measures T_target(B, 1)), or a re-timing of it (LearnedStepCosts.wants_plain)."""
+        if isinstance(self.costs, LearnedStepCosts) and self.costs.wants_plain(batch_size):
+            self.chosen[(0, 0)] += 1
+            return True
+        return False
 
     def resting(self) -> bool:
         """Whether this step plans K = 0 without asking the drafter's confidence. The estimate costs
