@@ -67,20 +67,34 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def fresh_cache_dir(path):
+    """`path` made a raysd cache directory (RAYSD_CACHE_DIR) with no step-cost profiles, whose
+    GGUF conversions are the machine's own: its `gguf` is a link to the cache in force now. A test
+    that points RAYSD_CACHE_DIR at it measures its profiles afresh, but the embedded model is not
+    converted again (~14 s of two cores) in every test process and model actor that loads it."""
+    from raysd.models.gguf_cache import cache_root
+
+    machine = cache_root() / "gguf"
+    machine.mkdir(parents=True, exist_ok=True)
+    (path / "gguf").symlink_to(machine.resolve(), target_is_directory=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def shared_ray(tmp_path_factory):
     """One local Ray for the whole session, started by the first module that asks for it and
     shared by every later one (a Ray start and shutdown cost seconds per module). A module that
     needs a Ray of its own (a multi-node cluster, other settings) shuts this one down; the next
     module that asks starts it again. Replicas with a draft model cache step costs in
-    RAYSD_CACHE_DIR: a fresh directory, set before Ray starts so that its workers inherit it."""
+    RAYSD_CACHE_DIR: a fresh directory (`fresh_cache_dir`), set before Ray starts so that its
+    workers inherit it."""
     import ray
 
     from raysd.actors.local import start_local_ray
 
     def ensure() -> None:
         if not ray.is_initialized():
-            os.environ.setdefault("RAYSD_CACHE_DIR", str(tmp_path_factory.mktemp("raysd-cache")))
+            os.environ.setdefault("RAYSD_CACHE_DIR", str(fresh_cache_dir(tmp_path_factory.mktemp("raysd-cache"))))
             # address="local" (start_local_ray): a fresh Ray even when /tmp/ray records a stale
             # `ray start` head, which a plain ray.init(num_cpus=...) would try to join (and fail).
             start_local_ray(num_cpus=6, log_to_driver=False, configure_logging=False)

@@ -397,14 +397,15 @@ def test_killed_actor_mid_stream_reruns_its_rows_once(random_draft):
     assert {r.request_id: r.token_ids for r in got} == clean
 
 
-def test_draft_actor_constructor_args_are_inline():
+def test_draft_actor_constructor_args_are_inline(random_draft):
     """No ObjectRef among the model actors' constructor arguments: Ray warns that such an actor's
-    restart can fail (ray-project/ray#53727). The draft asks the target for its vocabulary itself."""
+    restart can fail (ray-project/ray#53727). The draft asks the target for its vocabulary itself.
+    The driver's log holds Ray's warnings for every actor this process created, the module's
+    `random_draft` pair (a draft actor and a target actor) among them."""
     import glob
 
     logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
-        assert ray.get(c.draft.info.remote()).vocab_size == VOCAB
+    assert ray.get(random_draft.draft.info.remote()).vocab_size == VOCAB
     time.sleep(1.0)
     warned = [f for f in glob.glob(f"{logs}/python-core-driver-*{os.getpid()}.log")
               if "53727" in open(f, errors="replace").read()]

@@ -13,7 +13,7 @@ import ray
 from raysd.jobs import GenerateConfig, generate
 from tests.jobs.conftest import token_prompts
 from tests.jobs.test_eagle_job import greedy
-from tests.conftest import own_ray, tiny_model
+from tests.conftest import fresh_cache_dir, own_ray, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """Set before the module's Ray starts, so the replicas inherit it."""
-    path = tmp_path_factory.mktemp("raysd-cache")
+    path = fresh_cache_dir(tmp_path_factory.mktemp("raysd-cache"))
     old = os.environ.get("RAYSD_CACHE_DIR")
     os.environ["RAYSD_CACHE_DIR"] = str(path)
     yield path
