@@ -50,6 +50,9 @@ from raysd.models.profile import time_forward, time_forward_upto
 FIRST_REPLAIN, MAX_REPLAIN = 8, 256  # LearnedStepCosts.wants_plain: drafting steps between plain re-timings
 REST_ABOVE = 0.01  # KController.resting: a confidence estimate costing more than this share of a plain step...
 MAX_REST = 15  # ...rests at most this many steps after one that chose K = 0
+# _RealisedGuard: drafting steps in a bucket before their realised rate is weighed, and the
+# steps (that would have drafted) paused after one found it below plain decoding's (doubling).
+GUARD_STEPS, FIRST_PAUSE, MAX_PAUSE = 4, 8, 256
 
 
 class KController:
@@ -83,6 +86,8 @@ class KController:
         self.confidence_expected = self.confidence_accepted = 0.0
         self._expected: float | None = None  # what the last confidence-planned step expected
         self._rest = 0  # steps left to plan K = 0 without asking the drafter's confidence
+        self._plan_s = 0.0  # the drafter's confidence estimate of the step planned last (its cost)
+        self.guard = _RealisedGuard()
 
     @property
     def prior(self) -> float:
@@ -115,6 +120,8 @@ class KController:
                 for k, goodput in self._tree_goodputs(tree, a, caps, rates):
                     if goodput > best:
                         plan, best = (k, tree.budget), goodput
+        if plan[0] and not self.guard.allows(len(alphas)):
+            plan = (0, 0)
         self.chosen[plan] += 1
         return plan
 
@@ -168,7 +175,11 @@ class KController:
         B = len(budgets)
         if self._plain_to_time(B):
             return 0
-        best_k = self._best_k_by_confidence(confidence, budgets)
+        best_k, expected = self._best_k_by_confidence(confidence, budgets)
+        if best_k and not self.guard.allows(B):
+            best_k, expected = 0, 0.0
+        self.chosen[(best_k, 0)] += 1
+        self._expected, self._plan_s = expected, estimate_s
         plain_s = self.costs.target(B, 0)
         if not best_k and estimate_s > REST_ABOVE * plain_s:
             self._rest = min(math.ceil(estimate_s / (REST_ABOVE * plain_s)) - 1, MAX_REST)
@@ -197,7 +208,8 @@ class KController:
         self.chosen[(0, 0)] += 1
         return True
 
-    def _best_k_by_confidence(self, confidence: np.ndarray, budgets: Sequence[int]) -> int:
+    def _best_k_by_confidence(self, confidence: np.ndarray, budgets: Sequence[int]) -> tuple[int, float]:
+        """(k, the accepted drafts it expects) of best expected goodput."""
         B = len(budgets)
         caps = np.minimum(np.asarray(budgets, dtype=np.int64), confidence.shape[1])  # [B]
         positions = np.arange(confidence.shape[1])[None, :]  # [1, K]
@@ -208,9 +220,7 @@ class KController:
             goodput = (B + c * cumulative[:, k - 1].sum()) / step_seconds(self.costs, B, k, self.config.overlapped)
             if goodput > best:
                 best_k, best = k, goodput
-        self.chosen[(best_k, 0)] += 1
-        self._expected = float(cumulative[:, best_k - 1].sum()) if best_k else 0.0
-        return best_k
+        return best_k, float(cumulative[:, best_k - 1].sum()) if best_k else 0.0
 
     @property
     def calibration(self) -> float:
@@ -219,18 +229,77 @@ class KController:
         w = self.config.prior_weight
         return (self.confidence_accepted + w) / (self.confidence_expected + w)
 
-    def observe_step(self, batch_size: int, width: int, k: int, verify_s: float, draft_s: float) -> None:
+    def observe_step(self, batch_size: int, width: int, k: int, verify_s: float, draft_s: float,
+                     tokens: int | None = None) -> None:
         """A step's own timings, for costs learned as the job runs (a measured profile ignores them):
         `width` tokens per row verified (the pending token and the widest row's drafts), k drafts
-        offered (a draft model's forwards), the seconds of each side."""
+        offered (a draft model's forwards), the seconds of each side; `tokens`: the tokens the step
+        emitted over its rows, for the realised-rate guard (`_RealisedGuard`)."""
         if isinstance(self.costs, LearnedStepCosts):
             self.costs.observe(batch_size, width, verify_s, draft_s / k if k else None)
+        if tokens is not None:
+            # A drafting step's price includes the confidence estimate that planned it.
+            seconds = verify_s + draft_s + (self._plan_s if width > 1 else 0.0)
+            self.guard.observe(batch_size, drafting=width > 1, tokens=tokens, seconds=seconds)
+        self._plan_s = 0.0
 
     def observe_ranks(self, offered: Sequence[int], moved: Sequence[int]) -> None:
         """A tree step's walk, counted by rank (raysd.core.tree_shape.rank_visits)."""
         # New arrays, not in place: a controller sent to an actor arrives with read-only arrays.
         self.rank_offered = self.rank_offered + by_rank(offered, len(self.rank_offered))
         self.rank_moved = self.rank_moved + by_rank(moved, len(self.rank_moved))
+
+
+class _RealisedGuard:
+    """What the cost model cannot see: drafting that pays on paper but not in fact. Per batch-size
+    bucket, the tokens per row per second that plain steps and drafting steps realised (the step's
+    whole time: the drafter's confidence estimate, its proposing and the target's verify). Once
+    GUARD_STEPS drafting steps since the last check realised less than plain decoding, the steps
+    that would draft decode plainly instead for a pause (FIRST_PAUSE steps, doubling up to
+    MAX_PAUSE while drafting keeps losing; back to FIRST_PAUSE once it wins); after each pause
+    drafting is tried again, so a change in the rows (a template's repeated part, a new block) is
+    found. Bounded cost: at most GUARD_STEPS losing steps per pause. The plan itself never changes
+    what a row emits (exact whatever K), only how fast."""
+
+    def __init__(self):
+        self.plain: dict[int, float] = {}  # bucket -> plain steps' tokens per row per second (running mean)
+        self.drafting: dict[int, list[float]] = {}  # bucket -> [tokens per row, seconds, steps] since the last check
+        self.pause: Counter[int] = Counter()  # bucket -> drafting steps left to refuse
+        self.next_pause: dict[int, int] = {}  # bucket -> the next pause's length
+        self.paused_steps = 0  # steps refused over the controller's life (for the job's statistics)
+
+    def observe(self, batch_size: int, drafting: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or batch_size < 1:
+            return
+        b = LearnedStepCosts.bucket(batch_size)
+        per_row = tokens / batch_size
+        if drafting:
+            acc = self.drafting.setdefault(b, [0.0, 0.0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + per_row, acc[1] + seconds, acc[2] + 1
+        else:
+            rate = per_row / seconds
+            self.plain[b] = rate if b not in self.plain else 0.75 * self.plain[b] + 0.25 * rate
+
+    def allows(self, batch_size: int) -> bool:
+        """Whether a step of this batch size that would draft may draft."""
+        b = LearnedStepCosts.bucket(batch_size)
+        if self.pause[b] > 0:
+            self.pause[b] -= 1
+            self.paused_steps += 1
+            return False
+        acc, plain = self.drafting.get(b), self.plain.get(b)
+        if acc is None or plain is None or acc[2] < GUARD_STEPS:
+            return True
+        rate = acc[0] / acc[1]
+        del self.drafting[b]  # each check weighs fresh steps
+        if rate >= plain:
+            self.next_pause[b] = FIRST_PAUSE
+            return True
+        pause = self.next_pause.get(b, FIRST_PAUSE)
+        self.next_pause[b] = min(2 * pause, MAX_PAUSE)
+        self.pause[b] = pause - 1  # this step is the pause's first
+        self.paused_steps += 1
+        return False
 
 
 def by_rank(counts: Sequence[int], R: int) -> np.ndarray:

@@ -75,7 +75,8 @@ class StepHook:
             self.controller.observe_all(verdict.step_overlap, verdict.step_tested, int(verdict.accepted.sum()))
             self.controller.observe_ranks(verdict.rank_offered, verdict.rank_moved)
             width = int(verdict.drafted.max(initial=0)) + 1  # tokens per row the target verified
-            self.controller.observe_step(len(verdict.kept), width, verdict.plan.k, verify_s, draft_s)
+            self.controller.observe_step(len(verdict.kept), width, verdict.plan.k, verify_s, draft_s,
+                                         tokens=sum(map(len, verdict.kept)))
         t, drafted = self.timings, verdict.plan.k > 0  # a step with k = 0 drafts nothing: no draft time
         t.draft_s, t.verify_s, t.prefill_s = t.draft_s + drafted * draft_s, t.verify_s + verify_s, t.prefill_s + prefill_s
         t.steps, t.drafted_steps, t.row_steps = t.steps + 1, t.drafted_steps + drafted, t.row_steps + len(verdict.kept)

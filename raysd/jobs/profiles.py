@@ -45,9 +45,11 @@ def machine() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def cached_step_costs(key: dict, measure: Callable[[], StepCosts]) -> tuple[StepCosts, bool]:
+def cached_step_costs(key: dict, measure: Callable[[], StepCosts] | None) -> tuple[StepCosts | None, bool]:
     """(costs, True) from the cache when `key` (JSON-able) was profiled before here, else
-    (measure(), False) after storing it. An unreadable cache entry is measured again."""
+    (measure(), False) after storing it. An unreadable cache entry is measured again.
+    `measure` None: look only ((None, False) when nothing is cached), as `-k auto` does, which
+    learns its costs from the job's own steps rather than profile before the first token."""
     blob = json.dumps({**key, "machine": machine(), "step_code": STEP_CODE_VERSION}, sort_keys=True)
     path = cache_dir() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
     try:
@@ -56,6 +58,8 @@ def cached_step_costs(key: dict, measure: Callable[[], StepCosts]) -> tuple[Step
         return costs, True
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if measure is None:
+        return None, False
     costs = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

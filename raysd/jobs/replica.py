@@ -374,9 +374,9 @@ class GenerationReplica:
         self.draft_dtype = self.coordinator.draft_info.dtype if cfg.draft_is_model else None
         eos = _eos_ids(cfg.target, self.tokenizer, cfg.trust_remote_code)
         # The EOS ids are known only now (the tokenizer loaded beside the models); rows read them at admission.
-        # -k auto learns its step costs from the job's own steps (LearnedStepCosts), with no
-        # profiling pass before the first token; a draft model's profile, when there is one, is
-        # the better start.
+        # -k auto learns its step costs from the job's own steps (LearnedStepCosts) and puts no
+        # profiling pass before the first token; a draft model's cached profile, when there is
+        # one, is the better start.
         adaptive, micro = cfg.speculation.adaptive, 1
         if cfg.draft_is_model:
             from raysd.core.speculation import AdaptiveConfig
@@ -385,6 +385,8 @@ class GenerationReplica:
 
             # A draft model's step costs at the batch sizes this replica may run, measured in the
             # actors once per models and machine (cached): they choose one or two micro-batches.
+            # Under -k auto they are only looked up: with none cached, the job runs one micro-batch
+            # (the choice that needs no costs) and its controller learns the costs as it steps.
             half = max(1, math.ceil(cfg.batch_size / 2))
             sizes = sorted({1, half, cfg.batch_size})
             k_max = max(self.K, cfg.tree_budget)  # a tree of P nodes is weighed by T_target(B, P + 1)
@@ -394,13 +396,15 @@ class GenerationReplica:
                    "batch_sizes": sizes, "context": 64, "reps": 2}
             if cfg.target_tensor_parallel > 1:  # absent at 1: the profiles cached before the flag stay valid
                 key["target_tensor_parallel"] = cfg.target_tensor_parallel
-            costs, _ = cached_step_costs(key, lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
-            serial = AdaptiveConfig(costs)
-            # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
-            k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K
-            micro = num_micro_batches(costs, cfg.batch_size, k)
-            if cfg.adaptive_speculation:
-                adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
+            measure = None if cfg.adaptive_speculation else (lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
+            costs, _ = cached_step_costs(key, measure)
+            if costs is not None:
+                serial = AdaptiveConfig(costs)
+                # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
+                k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K
+                micro = num_micro_batches(costs, cfg.batch_size, k)
+                if cfg.adaptive_speculation:
+                    adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
         speculation = dataclasses.replace(cfg.speculation, eos_token_ids=eos, adaptive=adaptive)
         self.coordinator.config = ccfg = dataclasses.replace(
             self.coordinator.config, speculation=speculation, micro_batch_size=math.ceil(cfg.batch_size / micro),

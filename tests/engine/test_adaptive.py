@@ -268,3 +268,43 @@ def test_an_estimate_that_chooses_plain_decoding_rests_as_long_as_it_costs():
     assert ctl.choose_k_by_confidence(unsure, [2] * 4, estimate_s=100 * REST_ABOVE) == 0 and rests() == MAX_REST
     assert ctl.choose_k_by_confidence(sure, [2] * 4, estimate_s=3 * REST_ABOVE) == 2 and rests() == 0
     assert ctl.chosen[(0, 0)] == 4 + 2 + 2 + MAX_REST  # a rested step counts as a plain one
+
+def _guarded_steps(drafting_tokens_per_row: float, drafting_s: float, steps: int) -> tuple[list[int], KController]:
+    """A controller whose cost model always wants K = 4 (drafts cost nothing on paper), fed steps
+    that realise `drafting_tokens_per_row` per drafting step of `drafting_s` seconds, against plain
+    steps of 1 token per row in 1 s (batch 4)."""
+    costs = StepCosts((4,), ((1.0, 1.0, 1.0, 1.0, 1.0),), (0.0,))
+    ctl = KController(AdaptiveConfig(costs), depth=4)
+    sure = np.array([[0.95, 0.9, 0.85, 0.8]] * 4)  # [B, K]
+    ctl.observe_step(4, 1, 0, verify_s=1.0, draft_s=0.0, tokens=4)  # one plain step: 1 token per row per second
+    chosen = []
+    for _ in range(steps):
+        k = ctl.choose_k_by_confidence(sure, [4] * 4)
+        chosen.append(k)
+        if k:
+            ctl.observe_step(4, k + 1, k, verify_s=drafting_s, draft_s=0.0, tokens=round(4 * drafting_tokens_per_row))
+        else:
+            ctl.observe_step(4, 1, 0, verify_s=1.0, draft_s=0.0, tokens=4)
+    return chosen, ctl
+
+
+def test_drafting_that_realises_less_than_plain_decoding_is_paused_and_retried():
+    """_RealisedGuard: the cost model says K = 4 pays, but drafting steps realise 2 tokens per row
+    in 3 s against plain decoding's 1 in 1 s. After GUARD_STEPS such steps the controller decodes
+    plainly for FIRST_PAUSE steps, tries again (GUARD_STEPS steps), then pauses twice as long."""
+    from raysd.engine.adaptive import FIRST_PAUSE, GUARD_STEPS
+
+    chosen, ctl = _guarded_steps(2.0, 3.0, 2 * GUARD_STEPS + 3 * FIRST_PAUSE)
+    drafting = [k > 0 for k in chosen]
+    first = GUARD_STEPS
+    assert drafting[:first] == [True] * first
+    assert drafting[first:first + FIRST_PAUSE] == [False] * FIRST_PAUSE
+    second = first + FIRST_PAUSE + GUARD_STEPS
+    assert drafting[first + FIRST_PAUSE:second] == [True] * GUARD_STEPS
+    assert drafting[second:second + 2 * FIRST_PAUSE] == [False] * (2 * FIRST_PAUSE)
+    assert ctl.guard.paused_steps == 3 * FIRST_PAUSE
+
+
+def test_drafting_that_realises_more_than_plain_decoding_is_never_paused():
+    chosen, ctl = _guarded_steps(3.0, 1.5, 40)  # 2 tokens per row per second against plain's 1
+    assert all(k == 4 for k in chosen) and ctl.guard.paused_steps == 0

@@ -1,5 +1,7 @@
-"""`-k auto` end to end: the step-cost profile is measured by the first job and read back by the
-next (issue 17 item 6), and the rows stay the target's greedy tokens whatever K is chosen."""
+"""`-k auto` end to end: no profiling pass before the first token, with a draft model or without
+(issue 40 item 3): the step costs are learned from the job's own steps, and the rows stay the
+target's greedy tokens whatever K is chosen. A fixed K with a draft model measures its profile
+once per models and machine (to choose one or two micro-batches)."""
 
 from __future__ import annotations
 
@@ -40,21 +42,25 @@ def local_ray(cache_dir):
     ray.shutdown()
 
 
-def test_auto_profiles_once_and_keeps_greedy_output(cache_dir, tmp_path, model_dirs, local_ray):
+def test_auto_with_a_draft_model_profiles_nothing_and_keeps_greedy_output(cache_dir, tmp_path, model_dirs, local_ray):
     target, draft = model_dirs[0], model_dirs[1]
     prompts = token_prompts(6, seed=9)
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft=draft,
                          num_speculative_tokens="auto", max_new_tokens=8, batch_size=4, quiet=True)
-    generate(cfg)
-    (entry,) = (cache_dir / "step_costs").glob("*.json")
-    measured_at = entry.stat().st_mtime_ns
-    generate(GenerateConfig(**{**cfg.to_dict(), "overwrite": True}))
-    assert [p.name for p in (cache_dir / "step_costs").glob("*.json")] == [entry.name]
-    assert entry.stat().st_mtime_ns == measured_at  # read back, not measured again
+    summary = generate(cfg)
+    assert not list((cache_dir / "step_costs").glob("*.json"))  # nothing measured, nothing cached
     model = tiny_model("llama", seed=0)
     rows = {r["id"]: r for r in pq.read_table(cfg.output).to_pylist()}
+    assert [rows[i]["generated_token_ids"] for i in range(len(prompts))] == [greedy(model, p, 8) for p in prompts]
+    assert summary.latest_run.time_breakdown["wall"]["generating"] > 0
+
+    # A fixed K profiles once (the same key as -k auto's at K = 8, which then starts from it).
+    fixed = GenerateConfig(**{**cfg.to_dict(), "output": str(tmp_path / "fixed"), "num_speculative_tokens": 8})
+    generate(fixed)
+    assert len(list((cache_dir / "step_costs").glob("*.json"))) == 1
+    rows = {r["id"]: r for r in pq.read_table(fixed.output).to_pylist()}
     assert [rows[i]["generated_token_ids"] for i in range(len(prompts))] == [greedy(model, p, 8) for p in prompts]
 
 
