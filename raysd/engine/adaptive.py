@@ -266,7 +266,7 @@ class _RealisedGuard:
         self.drafting: dict[int, list[float]] = {}  # bucket -> [tokens per row, seconds, steps] since the last check
         self.pause: Counter[int] = Counter()  # bucket -> drafting steps left to refuse
         self.next_pause: dict[int, int] = {}  # bucket -> the next pause's length
-        self.paused_steps = 0  # steps refused over the controller's life (for the job's statistics)
+        self.paused_steps = 0  # steps refused over the controller's life
 
     def observe(self, batch_size: int, drafting: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0 or batch_size < 1:
