@@ -87,7 +87,9 @@ class KController:
         self._expected: float | None = None  # what the last confidence-planned step expected
         self._rest = 0  # steps left to plan K = 0 without asking the drafter's confidence
         self._plan_s = 0.0  # the drafter's confidence estimate of the step planned last (its cost)
-        self.guard = _RealisedGuard()
+        # Costs learned from the steps are checked against what the steps realised; a measured
+        # profile is taken as given, so its plans are a function of the rows' evidence alone.
+        self.guard = _RealisedGuard() if isinstance(self.costs, LearnedStepCosts) else None
 
     @property
     def prior(self) -> float:
@@ -120,7 +122,7 @@ class KController:
                 for k, goodput in self._tree_goodputs(tree, a, caps, rates):
                     if goodput > best:
                         plan, best = (k, tree.budget), goodput
-        if plan[0] and not self.guard.allows(len(alphas)):
+        if plan[0] and self.guard is not None and not self.guard.allows(len(alphas)):
             plan = (0, 0)
         self.chosen[plan] += 1
         return plan
@@ -176,7 +178,7 @@ class KController:
         if self._plain_to_time(B):
             return 0
         best_k, expected = self._best_k_by_confidence(confidence, budgets)
-        if best_k and not self.guard.allows(B):
+        if best_k and self.guard is not None and not self.guard.allows(B):
             best_k, expected = 0, 0.0
         self.chosen[(best_k, 0)] += 1
         self._expected, self._plan_s = expected, estimate_s
@@ -237,7 +239,7 @@ class KController:
         emitted over its rows, for the realised-rate guard (`_RealisedGuard`)."""
         if isinstance(self.costs, LearnedStepCosts):
             self.costs.observe(batch_size, width, verify_s, draft_s / k if k else None)
-        if tokens is not None:
+        if tokens is not None and self.guard is not None:
             # A drafting step's price includes the confidence estimate that planned it.
             seconds = verify_s + draft_s + (self._plan_s if width > 1 else 0.0)
             self.guard.observe(batch_size, drafting=width > 1, tokens=tokens, seconds=seconds)
@@ -251,7 +253,7 @@ class KController:
 
 
 class _RealisedGuard:
-    """What the cost model cannot see: drafting that pays on paper but not in fact. Per batch-size
+    """What learned costs cannot see: drafting that pays on paper but not in fact. Per batch-size
     bucket, the tokens per row per second that plain steps and drafting steps realised (the step's
     whole time: the drafter's confidence estimate, its proposing and the target's verify). Once
     GUARD_STEPS drafting steps since the last check realised less than plain decoding, the steps
