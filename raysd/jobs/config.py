@@ -19,7 +19,7 @@ from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 # The default drafter: one constant, changed here only. Suffix decoding learns the job's own
 # templates at no model cost; on the embedded model it beat both n-gram lookup and plain decoding
-# on a templated dataset (1.87x plain at batch 1, 1.21x at 8, 1.05x at 32) and is about even on
+# on a templated dataset (1.87x plain at batch 1, 1.21x at 8, 1.02x at 32) and is about even on
 # Spec-Bench (docs/performance.md).
 DEFAULT_DRAFT = "suffix"
 AUTO = "auto"
