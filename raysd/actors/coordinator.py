@@ -229,14 +229,17 @@ class SpecCoordinator:
         # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in
         # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
         # Every constructor argument here is small and travels inline.
-        self._target_name = f"raysd-target-{uuid.uuid4().hex}"
+        # Both model actors are named (the draft's name for the job's end: pipeline.remove_placement_groups
+        # kills them by name, for good, before it removes their group).
+        uid = uuid.uuid4().hex
+        self._target_name, self._draft_name = f"raysd-target-{uid}", f"raysd-draft-{uid}"
         self._target_args = (target_factory, config.runner, drafter if self.colocated else None, tokenizer_factory)
         self.targets = self._start_targets()  # rank 0 first: the one named, the one that reports
         self.can_decode = tokenizer_factory is not None
         self.draft = None
         if not self.colocated:
-            self.draft = self._actor(DraftActor, tp, config.draft_resources).remote(drafter, self._target_name,
-                                                                                    config.measure_bytes)
+            self.draft = self._actor(DraftActor, tp, config.draft_resources, name=self._draft_name).remote(
+                drafter, self._target_name, config.measure_bytes)
         self.target_info, self.draft_info = self._infos(timeout=None)  # all load their models first
         self._join_group()
         self.vocab_size = self.target_info.vocab_size

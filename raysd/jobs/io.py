@@ -19,6 +19,7 @@ must match.
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import hashlib
 import json
@@ -183,8 +184,32 @@ class ParquetSource(InputSource):
 
         if in_process(self.fs):
             return self._driver_dataset()
-        return ray.data.read_parquet(self.files, filesystem=arrow_filesystem(self.fs), file_extensions=None,
-                                     num_cpus=IO_TASK_CPUS)
+        with _footer_readers(len(self.files)):
+            return ray.data.read_parquet(self.files, filesystem=arrow_filesystem(self.fs), file_extensions=None,
+                                         num_cpus=IO_TASK_CPUS)
+
+
+_FOOTERS_PER_READER = 10  # Ray Data's files per footer-reading call (RAY_DATA_PARQUET_FOOTER_BATCH_SIZE)
+_MAX_FOOTER_READERS = 32  # Ray Data's default pool
+
+
+@contextlib.contextmanager
+def _footer_readers(num_files: int):
+    """Ray Data's Parquet reader lists its files through a pool of FooterReader actors, 32 by
+    default whatever the input: 32 Python processes started (and each importing Ray Data) per job,
+    ~1 s of CPU apiece, for an input of one or two files. The pool is sized to the input here, one
+    actor per batch of footers, through the only knob Ray Data has for it (an environment
+    variable, read when `read_parquet` builds its file indexer on the driver), set for that call
+    alone. A value the user set is left as it is."""
+    key = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = str(min(_MAX_FOOTER_READERS, max(1, -(-num_files // _FOOTERS_PER_READER))))
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def encode_json_value(value):

@@ -145,10 +145,34 @@ def placement_groups_created_by(actor_ids: set[str]) -> list[str]:
     return found
 
 
+def _kill_actors_in(pg_ids: list[str]) -> None:
+    """Kill, without restart, the live named actors scheduled in these placement groups (ids, hex),
+    from the GCS's actor table: every model actor that Ray would restart is named (SpecCoordinator),
+    and a handle from its name is what ray.kill takes in a process that did not create it."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    wanted = set(pg_ids)
+    for raw in state._connect_and_get_accessor().get_actor_table(None, None):
+        actor = gcs_pb2.ActorTableData.FromString(raw)
+        if actor.name and actor.placement_group_id.hex() in wanted and actor.state != gcs_pb2.ActorTableData.DEAD:
+            try:
+                handle = ray.get_actor(actor.name, namespace=actor.ray_namespace)
+            except ValueError:  # died since the table was read
+                continue
+            ray.kill(handle, no_restart=True)
+
+
 def remove_placement_groups(pg_ids: list[str]) -> None:
+    """Remove these placement groups (ids, hex), their actors first, for good. Removing a group
+    kills its actors, but a model actor restarts (max_restarts) into a group that is gone and
+    stays RESTARTING; a replica still tearing its step graph down (Ray Data ends its actors while
+    the job's end runs) then waits on it, a core spinning in Ray's channel read, until the session
+    ends."""
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+    _kill_actors_in(pg_ids)
     for pg_id in pg_ids:
         try:
             remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))

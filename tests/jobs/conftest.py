@@ -52,3 +52,21 @@ def settled(read: Callable[[], object], quiet_s: float, max_wait_s: float = 90.0
         if now != value:
             value, since = now, time.monotonic()
     return value
+
+
+def replica_processes() -> list:
+    """The processes of this process's Ray that run a replica (Ray Data's GenerateReplica actor).
+    Ray's actor table marks an actor dead when it starts to exit; its process can outlive that."""
+    import psutil
+    import ray
+    from ray._private import ray_constants
+
+    raylet = ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    found = []
+    for child in psutil.Process(raylet).children():
+        try:
+            if "GenerateReplica" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found

@@ -218,3 +218,25 @@ def test_actor_cpus_auto_shares_a_local_machine_and_is_one_elsewhere():
     assert config_from_args(p.parse_args(flags + ["--num-cpus-per-actor", "2"])).num_cpus_per_actor == 2.0
     with pytest.raises(SystemExit):
         p.parse_args(flags + ["--num-cpus-per-actor", "many"])
+
+
+def test_a_parquet_read_starts_footer_readers_for_its_files_not_32(monkeypatch):
+    """Ray Data lists a Parquet input through a pool of FooterReader actors, 32 processes by default
+    whatever the input (~1 s of CPU each): raysd sizes the pool to the files (one reader per 10),
+    for the read alone, through Ray Data's environment knob, which its file indexer reads when
+    `read_parquet` builds it. A value the user set stands."""
+    from ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer import FooterFileIndexer
+
+    from raysd.jobs.io import _footer_readers
+
+    key = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+    monkeypatch.delenv(key, raising=False)
+    for files, readers in ((1, 1), (2, 1), (10, 1), (11, 2), (2000, 32)):
+        with _footer_readers(files):
+            assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == readers, files
+        assert key not in os.environ
+    assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == 32  # Ray Data's own default
+    monkeypatch.setenv(key, "5")
+    with _footer_readers(2):
+        assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == 5
+    assert os.environ[key] == "5"

@@ -91,3 +91,37 @@ def test_generation_blocks_hold_a_whole_batch_whatever_the_input_blocks(local_ra
             order.extend(batch.column("id").to_pylist())
     assert sizes == [8, 8, 8, 8, 5], sizes
     assert order == list(range(37))
+
+
+@pytest.mark.slow
+def test_removing_a_replicas_placement_group_ends_its_model_actors_for_good(local_ray):
+    """The job's end removes its replicas' placement groups (release_job). A group's removal kills
+    its actors, but a model actor (max_restarts) would restart into a group that is gone and stay
+    RESTARTING, and a replica still tearing its step graph down waits on it, spinning a core until
+    the session ends. So the actors are killed for good first: dead, not restarting."""
+    import time
+
+    from ray._private.state import actors
+
+    from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
+    from raysd.core.speculation import SpeculationConfig
+    from raysd.jobs.pipeline import remove_placement_groups
+    from tests.actors.actor_helpers import factory, random_prompts, requests
+    from tests.conftest import EOS
+
+    cpu = ActorResources(num_cpus=1, num_gpus=0)
+    cfg = CoordinatorConfig(SpeculationConfig(num_speculative_tokens=2, eos_token_ids=(EOS,)), micro_batch_size=2,
+                            draft_resources=cpu, target_resources=cpu)
+    coordinator = SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg)
+    try:
+        coordinator.generate(requests(random_prompts(2, seed=1), max_new_tokens=3))  # its step graph runs
+        ids = [coordinator.target._actor_id.hex(), coordinator.draft._actor_id.hex()]
+        assert [actors(i)["State"] for i in ids] == ["ALIVE", "ALIVE"]
+        remove_placement_groups([coordinator.placement_group.id.hex()])
+        deadline = time.monotonic() + 30
+        while any(actors(i)["State"] != "DEAD" for i in ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert [actors(i)["State"] for i in ids] == ["DEAD", "DEAD"]  # dead, not restarting
+    finally:
+        coordinator.shutdown()
