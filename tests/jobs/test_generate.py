@@ -7,7 +7,6 @@ import dataclasses
 
 import json
 import os
-import time
 
 import fsspec
 import pyarrow as pa
@@ -26,6 +25,7 @@ from raysd.jobs.replica import row_seed
 from raysd.models.loading import ModelSpec, load_model
 from tests.conftest import EOS, VOCAB
 from tests.jobs.conftest import replica_processes, token_prompts
+from tests.reliability.chaos import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -124,10 +124,7 @@ def test_resume_after_partial_output_and_overwrite(tmp_path, model_dirs, local_r
     assert first.rows == 12 and first.latest_run.replicas == 2
     # Both replicas' processes end with the job, the one that got no block (one input block) too:
     # none is left tearing its step graph down against the job's removed model actors, spinning a core.
-    deadline = time.monotonic() + 20.0
-    while replica_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not replica_processes()
+    wait_until(lambda: not replica_processes(), "the replicas' processes to end", timeout=20)
     assert first.latest_run.time_breakdown["start"] > 0  # a fresh job starts its models (with the replica actors)
     full = by_id(read_output(str(out)))
     parts = sorted(p for p in os.listdir(out) if p.startswith("part-"))

@@ -108,6 +108,7 @@ def test_removing_a_replicas_placement_group_ends_its_model_actors_for_good(loca
     from raysd.jobs.pipeline import remove_placement_groups
     from tests.actors.actor_helpers import factory, random_prompts, requests
     from tests.conftest import EOS
+    from tests.reliability.chaos import wait_until
 
     cpu = ActorResources(num_cpus=1, num_gpus=0)
     cfg = CoordinatorConfig(SpeculationConfig(num_speculative_tokens=2, eos_token_ids=(EOS,)), micro_batch_size=2,
@@ -118,9 +119,7 @@ def test_removing_a_replicas_placement_group_ends_its_model_actors_for_good(loca
         ids = [coordinator.target._actor_id.hex(), coordinator.draft._actor_id.hex()]
         assert [actors(i)["State"] for i in ids] == ["ALIVE", "ALIVE"]
         remove_placement_groups([coordinator.placement_group.id.hex()])
-        deadline = time.monotonic() + 30
-        while any(actors(i)["State"] != "DEAD" for i in ids) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: all(actors(i)["State"] == "DEAD" for i in ids), "the model actors' death", timeout=30)
         time.sleep(1.0)
         assert [actors(i)["State"] for i in ids] == ["DEAD", "DEAD"]  # dead, not restarting
     finally:
