@@ -153,6 +153,8 @@ def _kill_actors_in(pg_ids: list[str]) -> None:
     from ray.core.generated import gcs_pb2
 
     wanted = set(pg_ids)
+    if not wanted:  # a restarted replica with no previous groups: no need to read every actor in the cluster
+        return
     for raw in state._connect_and_get_accessor().get_actor_table(None, None):
         actor = gcs_pb2.ActorTableData.FromString(raw)
         if actor.name and actor.placement_group_id.hex() in wanted and actor.state != gcs_pb2.ActorTableData.DEAD:
