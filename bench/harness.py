@@ -48,6 +48,10 @@ class Outcome:
         return all(c.get("ok", True) for c in self.checks.values())
 
 
+# Seconds a variant may report beside its rate, logged as each run ends (a run cut short still says where its time went).
+PHASES = ("start_s", "generate_s", "fixed_s")
+
+
 def run_variants(variants: Sequence[Variant], repeats: int, ratio_keys: Sequence[str] = ("tokens_per_s",),
                  log: Callable[[str], None] = print) -> tuple[list[dict], dict[str, list[dict]]]:
     """(summaries in variant order, runs by variant name with their private "_" figures)."""
@@ -67,7 +71,8 @@ def run_variants(variants: Sequence[Variant], repeats: int, ratio_keys: Sequence
             fig["load_1min"] = load
             runs[v.name].append(fig)
             rate = fig.get("tokens_per_s")
-            log(f"[{r}] {v.name}: " + (f"{rate:.2f} tok/s" if rate is not None else _brief(fig)) + f", load {load}")
+            phases = "".join(f", {k} {fig[k]:.2f}" for k in PHASES if isinstance(fig.get(k), (int, float)))
+            log(f"[{r}] {v.name}: " + (f"{rate:.2f} tok/s" if rate is not None else _brief(fig)) + phases + f", load {load}")
     return [summary(v, runs, ratio_keys) for v in variants], runs
 
 

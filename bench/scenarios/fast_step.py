@@ -43,6 +43,9 @@ QUICK = {"prompts": 8, "max_new_tokens": 8, "batch_sizes": [4], "repeats": 1, "d
 SIDES = ("engine", "actors", "pipeline")
 SHAPE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 2048}
+# --device cuda: Llama-3.2-1B's shape (16 layers; the draft keeps 1), in bfloat16, both actors on the one GPU.
+GPU_SHAPE = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "max_position_embeddings": 2048, "rope_theta": 500000.0, "tie_word_embeddings": True}
 
 
 def add_arguments(p) -> None:
@@ -53,20 +56,31 @@ def add_arguments(p) -> None:
     g.add_argument("--drafters", type=str_list, default=["none", "draft:4"],
                    help="none, draft:K (the 1-layer draft, K a number or auto), ngram:K, suffix:K")
     g.add_argument("--sides", type=str_list, default=list(SIDES), help=f"any of {', '.join(SIDES)}")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: a 1B-shaped bf16 target on the GPU, the job's actors sharing it (0.5 GPU each)")
 
 
-def build_models(root: str) -> tuple[str, str]:
-    """The target (4 layers) and the draft (1 layer), random, saved as safetensors under `root`."""
+def build_models(root: str, device: str = "cpu") -> tuple[str, str]:
+    """The target and a 1-layer draft, random, saved as safetensors under `root`: on the CPU 4 layers of
+    SHAPE in float32, on a GPU GPU_SHAPE's 16 in bfloat16 (built on the device: faster)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape, layers, dtype = (GPU_SHAPE, 16, torch.bfloat16) if device == "cuda" else (SHAPE, 4, torch.float32)
     paths = []
-    for name, layers, seed in (("target", 4, 0), ("draft", 1, 1)):
+    for name, n, seed in (("target", layers, 0), ("draft", 1, 1)):
         torch.manual_seed(seed)
         # No EOS: every side (the engine, and a job, which has no flag to ignore it) makes max_new_tokens per row.
-        config = LlamaConfig(num_hidden_layers=layers, bos_token_id=None, eos_token_id=None, pad_token_id=0, **SHAPE)
+        config = LlamaConfig(num_hidden_layers=n, bos_token_id=None, eos_token_id=None, pad_token_id=0, **shape)
         path = os.path.join(root, name)
-        LlamaForCausalLM(config).eval().save_pretrained(path)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(old)
+        model.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
 
@@ -79,12 +93,12 @@ def parse_drafter(text: str, draft_dir: str) -> tuple[str, str, int | str]:
     return f"{name} K={k or 4}", draft_dir if name == "draft" else name, k if k == "auto" else int(k or 4)
 
 
-def job_config(target: str, draft: str, k, batch: int, max_new: int, **paths):
+def job_config(target: str, draft: str, k, batch: int, max_new: int, device: str = "cpu", **paths):
     from raysd.jobs.config import GenerateConfig
 
     cfg = GenerateConfig(input=paths.get("input", "-"), output=paths.get("output", "-"), target=target, draft=draft,
                          num_speculative_tokens=None if draft == "none" else k, max_new_tokens=max_new, batch_size=batch,
-                         quiet=True, overwrite=True)
+                         quiet=True, overwrite=True, num_gpus_per_actor=0.5 if device == "cuda" else 0.0)
     return cfg.resolve_actor_cpus(os.cpu_count())  # as a job resolves --num-cpus-per-actor auto on its own Ray
 
 
@@ -104,17 +118,21 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.engine.suffix import SuffixDrafter
     from raysd.models.loading import ModelSpec, load_model
 
-    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens)
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device)
     torch.set_num_threads(int(cfg.actor_cpus[0]))  # what the job's target actor gets
     start = time.perf_counter()
-    target = load_model(ModelSpec(target_dir))
+    spec = ModelSpec(target_dir, cfg.target_dtype, device=a.device).resolved()  # the job's dtype on this device
+    target = load_model(spec)
     V = target.config.vocab_size
-    drafter = (NoDrafter(V) if draft == "none" else NgramDrafter(V) if draft == "ngram" else SuffixDrafter(V)
-               if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft)), V))
+    device = torch.device(a.device)
+    drafter = (NoDrafter(V, device) if draft == "none" else NgramDrafter(V, device) if draft == "ngram" else SuffixDrafter(V)
+               if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft, spec.dtype, device=a.device)), V))
     engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch))
     loaded = time.perf_counter()
     with torch.inference_mode():
         results = engine.generate(requests(prompts, a.max_new_tokens))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     end = time.perf_counter()
     return figures(Counts.of_results(results), end - loaded, timed="SpecEngine.generate", with_load_s=end - start,
                    generate_s=end - loaded, steps=engine.timings.steps,
@@ -127,8 +145,9 @@ def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.actors.local import start_local_ray
     from raysd.jobs.replica import GenerationReplica
 
-    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens)
-    start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False)  # untimed
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device)
+    gpus = {"num_gpus": 1} if a.device == "cuda" else {}
+    start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False, **gpus)  # untimed
     try:
         # The job's own replica (coordinator, actors, micro-batches, K) in a Ray actor as Ray Data runs
         # it (a Ray worker, at Ray's worker niceness), without Ray Data; the prompts travel with the call.
@@ -155,7 +174,7 @@ def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a) -> dict:
     from raysd.jobs.runner import generate
 
     out = tempfile.mkdtemp(dir=workdir)
-    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, input=prompt_file, output=out)).latest_run
+    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, input=prompt_file, output=out)).latest_run
     rows = pq.read_table(out).to_pylist()
     wall = run.time_breakdown["wall"]
     return figures(Counts.of_rows(rows), run.wall_s, timed="raysd generate: the run's wall", generate_s=wall.get("generating"),
@@ -167,9 +186,10 @@ def run(a, log=print) -> Outcome:
     import ray
 
     root = tempfile.mkdtemp(prefix="raysd-bench-fast-step-")
-    target_dir, draft_dir = build_models(root)
+    target_dir, draft_dir = build_models(root, a.device)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(16, 64))] for _ in range(a.prompts)]
+    vocab = (GPU_SHAPE if a.device == "cuda" else SHAPE)["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(a.prompts)]
     prompt_file = os.path.join(root, "prompts.jsonl")
     with open(prompt_file, "w") as f:
         f.writelines(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(prompts))
@@ -191,7 +211,8 @@ def run(a, log=print) -> Outcome:
         if ray.is_initialized():
             ray.shutdown()
     overhead_per_step(variants, summaries, runs)
-    return Outcome(summaries, {"shape": SHAPE, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens},
+    shape = {**GPU_SHAPE, "num_hidden_layers": 16, "dtype": "bfloat16"} if a.device == "cuda" else SHAPE
+    return Outcome(summaries, {"shape": shape, "device": a.device, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens},
                    {"rows_equal_across_sides": rows_check(variants, runs)})
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 import warnings
 
@@ -42,8 +43,8 @@ import torch
 from bench.environment import ROOT
 from bench.harness import Outcome, Variant, run_variants, summary
 from bench.measure import Counts, decode_tokens_per_s, figures
-from bench.scenarios.gpu_parts import (DTYPES, build_random_llama, count_syncs, load_named, load_smollm2, sync,
-                                       time_forward, truncated, truncated_smollm2)
+from bench.scenarios.gpu_parts import (DTYPES, build_random_llama, ceilings, count_syncs, floor_step_s, load_named,
+                                       load_smollm2, sync, time_forward, truncated, truncated_smollm2)
 
 CUDA = torch.cuda.is_available()
 QUICK = {"target_shape": "tiny-target", "draft_shape": "tiny-draft", "pair": "random", "batches": [1, 8], "prompt_len": 16,
@@ -88,11 +89,13 @@ def models(a, device):
         draft, draft_factory = load_named(a.draft_model, a.dtype, device.type), functools.partial(load_named, a.draft_model, a.dtype, where)
     else:
         draft, draft_factory = truncated(target, a.draft_layers), functools.partial(truncated_smollm2, a.draft_layers, a.dtype, where)
-    tok = load_tokenizer(DEFAULT_MODEL)
+    tok = load_tokenizer(os.environ.get("RAYSD_SMOLLM2_GGUF") or DEFAULT_MODEL)  # the weights load_smollm2 read
     prompts = []
     for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines():
         if line.strip():
-            ids = tok.apply_chat_template([{"role": "user", "content": json.loads(line)["prompt"]}], add_generation_prompt=True)
+            prompt = json.loads(line)["prompt"]  # text, or chat messages (one line of the examples is)
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return target, draft, functools.partial(load_smollm2, a.dtype, where), draft_factory, prompts
 
@@ -182,11 +185,21 @@ def run(a, log=print) -> Outcome:
     V, K = target.get_output_embeddings().weight.shape[0], a.k
     ctx = a.prompt_len + a.new_tokens // 2
     runners = a.runners or (["static", "dynamic"] + (["graph"] if CUDA else []))
-    steps, syncs, variants, baselines = {}, {}, [], {}
+    ceiling = ceilings(device)  # measured in this run, before the models' steps
+    if ceiling:
+        log(f"ceilings: bf16 matmul {ceiling['bf16_tflops']:.0f} TFLOP/s, copy {ceiling['copy_tb_s']:.2f} TB/s")
+    steps, syncs, variants, baselines, errors = {}, {}, [], {}, {}
     for B in a.batches:
-        steps[B] = {kind: {name: time_forward(m, B, ctx, w, a.reps, a.warmup, V, runner_kind=kind)
-                           for name, m, w in (("target_1", target, 1), ("target_k1", target, K + 1), ("draft", draft, 1))}
-                    for kind in runners}
+        steps[B] = {}
+        for kind in runners:
+            try:
+                steps[B][kind] = {name: time_forward(m, B, ctx, w, a.reps, a.warmup, V, runner_kind=kind)
+                                  for name, m, w in (("target_1", target, 1), ("target_k1", target, K + 1), ("draft", draft, 1))}
+            except Exception as e:  # one runner failing (say a CUDA graph capture) is a result; the others still run
+                if kind == runners[0]:
+                    raise
+                errors[f"B={B} {kind}"] = f"{type(e).__name__}: {e}"[:500]
+                log(f"B={B} [{kind}] FAILED: {errors[f'B={B} {kind}']}")
         log(f"B={B}: " + "; ".join(f"[{k}] " + ", ".join(f"{n} {t['median_s'] * 1e3:.2f} ms" for n, t in s.items())
                                   for k, s in steps[B].items()))
         if a.count_syncs:
@@ -202,6 +215,8 @@ def run(a, log=print) -> Outcome:
                                     functools.partial(decode_run, sd, make), baselines[B], functools.partial(sd, make(4))))
     _, runs = run_variants(variants, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
     params = {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters())}
+    target_config, target_element = target.config, next(target.parameters()).element_size()
+    target_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     if a.ray:
         del target, draft
         if CUDA:
@@ -209,6 +224,17 @@ def run(a, log=print) -> Outcome:
         more, more_runs = ray_variants(a, target_factory, draft_factory, V, prompts, baselines, log)
         variants, runs = variants + more, {**runs, **more_runs}
     summaries = [summary(v, runs, ("tokens_per_s", "decode_tokens_per_s")) for v in variants]
+    floors = {}
+    if ceiling:
+        for v in summaries:
+            st = v["settings"]
+            if st.get("side") == "engine" and not st["k"]:
+                B = st["batch"]
+                floor = B / floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
+                got = v["median"].get("decode_tokens_per_s")
+                floors[str(B)] = {"floor_tokens_per_s": floor, "ar_decode_tokens_per_s": got,
+                                  "of_floor": got / floor if got else None,
+                                  "step_of_floor": (B / steps[B][runners[0]]["target_1"]["median_s"]) / floor}
     bounds = []
     for v in summaries:
         st = v["settings"]
@@ -223,12 +249,13 @@ def run(a, log=print) -> Outcome:
                        "t_draft_ms": td * 1e3, "ar_bound": B / t1, "serial_bound": serial, "overlapped_bound": over,
                        "of_serial": got / serial if got else None, "of_overlapped": got / over if got else None})
     env = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu", **params}
-    extra = {"env": env, "step_costs": {str(b): s for b, s in steps.items()}, "host_syncs": {str(b): s for b, s in syncs.items()},
+    extra = {"env": env, "ceilings": ceiling, "floors": floors, "runner_errors": errors,
+             "step_costs": {str(b): s for b, s in steps.items()}, "host_syncs": {str(b): s for b, s in syncs.items()},
              "bounds": bounds}
-    return Outcome(summaries, extra, markdown=markdown(a, env, summaries, bounds))
+    return Outcome(summaries, extra, markdown=markdown(a, env, summaries, bounds, floors, ceiling))
 
 
-def markdown(a, env, summaries, bounds) -> str:
+def markdown(a, env, summaries, bounds, floors=None, ceiling=None) -> str:
     from bench.legacy import fmt
 
     head = (f"{env['device']}, {a.dtype}, target {env['target_params'] / 1e9:.2f}B / draft {env['draft_params'] / 1e9:.2f}B "
@@ -246,4 +273,11 @@ def markdown(a, env, summaries, bounds) -> str:
         lines.append(f"| {b['batch']} | {b['rate']} | {b['E']:.2f} | {b['t_target_1_ms']:.2f} | {b['t_target_k1_ms']:.2f} | "
                      f"{b['t_draft_ms']:.2f} | {b['ar_bound']:.0f} | {b['serial_bound']:.0f} | {b['overlapped_bound']:.0f} | "
                      f"{pct(b['of_serial'])} | {pct(b['of_overlapped'])} |")
+    if floors:
+        lines += ["", f"Ceilings measured in this run: bf16 matmul {ceiling['bf16_tflops']:.0f} TFLOP/s, copy {ceiling['copy_tb_s']:.2f} TB/s "
+                  "(read + write). Floor: weights + KV cache read once per step at that rate.", "",
+                  "| B | floor tok/s | AR decode tok/s | AR / floor | one static forward / floor |", "|---|---|---|---|---|"]
+        for B, f in floors.items():
+            lines.append(f"| {B} | {f['floor_tokens_per_s']:.0f} | {fmt(f['ar_decode_tokens_per_s'], 1)} | "
+                         f"{fmt(f['of_floor'])} | {f['step_of_floor']:.2f} |")
     return "\n".join(lines) + "\n"

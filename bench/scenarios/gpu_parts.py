@@ -84,6 +84,36 @@ def truncated_smollm2(layers: int, dtype: str, device: str):
     return truncated(load_smollm2(dtype, device), layers)
 
 
+def ceilings(device: torch.device, reps: int = 10) -> dict:
+    """The device's two ceilings, measured (METHOD.md): a bf16 8192^3 matrix product on random data
+    (TFLOP/s) and a 1 GiB device-to-device copy (bytes read + written per second). CUDA only."""
+    if device.type != "cuda":
+        return {}
+    n, x = 8192, torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a = torch.randint(0, 256, (2**30,), device=device, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    out = {}
+    for name, work, call in (("bf16_tflops", 2 * n**3, lambda: x @ x), ("copy_tb_s", 2 * a.numel(), lambda: b.copy_(a))):
+        for _ in range(3):
+            call()
+        timer = StepTimer(device)
+        for _ in range(reps):
+            with timer:
+                call()
+        out[name] = work / statistics.median(timer.samples) / 1e12
+    return out
+
+
+def floor_step_s(config, weight_bytes: int, element_size: int, batch: int, context: int, bandwidth_b_s: float) -> float:
+    """The memory-bandwidth floor of one decode step: every weight read once, plus each row's keys and
+    values over `context` tokens, at the measured copy bandwidth (bytes read + written: a read-only
+    stream runs at about that rate)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element_size * context * batch
+    return (weight_bytes + kv) / bandwidth_b_s
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -178,9 +178,10 @@ def test_bf16_smollm2_matches_its_own_greedy(smollm2_bf16, drafter_kind, k, batc
         drafter = NgramDrafter(V, DEVICE)
     else:
         drafter = NoDrafter(V, DEVICE)
-    n = 3 if batch_size == 1 else len(ps)
-    _, results = generate(model, drafter, ps[:n], k, batch_size, max_new=32, eos=eos)
-    check_greedy_close(model, ps[:n], tokens(results), hf[:n], twin=twin)
+    # Every prompt at every batch size: the rule's "half the rows identical" needs rows to count
+    # (with 3, one bf16 near-tie in each of two rows failed it on the CPU though both were allowed).
+    _, results = generate(model, drafter, ps, k, batch_size, max_new=32, eos=eos)
+    check_greedy_close(model, ps, tokens(results), hf, twin=twin)
     if drafter_kind == "same":
         drafted = sum(r.stats.num_draft_tokens for r in results)
         assert sum(r.stats.num_accepted_draft_tokens for r in results) >= 0.9 * drafted

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A lent GPU's checks and figures (issue 44), as stages, run on the device machine from the repository
+# root: `bash scripts/gpu_session.sh STAGE...`. docs/contributing/gpu_runbook.md says what each call
+# carries (the tree plus at most 64 MiB in all: Ray and the SmolLM2 weights travel in pieces).
+#
+#   keep      copies what this call carried (.site, .smol-a/b/c) to /tmp/raysd-carry: a later call that
+#             does not carry them again finds them gone from the tree, but /tmp stays while the machine is warm
+#   env       the GPU, driver, torch and transformers
+#   site      unpacks the kept site.tar.xz (Ray, gguf, ...) into /tmp/gpu-site, once
+#   weights   joins the kept SmolLM2 pieces into $RAYSD_SMOLLM2_GGUF and prints its sha256
+#   tests     tests/gpu except the Ray ones (SmolLM2's skip until `weights` ran)
+#   actors    tests/gpu/test_gpu_actors.py (needs `site`)
+#   smol      the SmolLM2 tests alone (after `weights`)
+#   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
+#   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
+#   smolbench SmolLM2 with a 6-layer self-draft, real acceptance
+#
+# Each stage runs under its own time limit (LIMIT_<STAGE> seconds overrides it); its log goes to
+# $OUT/<stage>.log, results beside it; the end of each log is printed as the stage ends.
+set -u
+out=${OUT:-.gpu-out}
+mkdir -p "$out"
+kept=/tmp/raysd-carry
+site=/tmp/gpu-site
+export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD"
+export RAYSD_SMOLLM2_GGUF=${RAYSD_SMOLLM2_GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
+
+stage() {  # stage NAME DEFAULT_LIMIT CMD...
+    local name=$1 limit=$2 t0=$SECONDS rc var
+    shift 2
+    var="LIMIT_${name^^}"
+    limit=${!var:-$limit}
+    echo "=== $name (limit ${limit}s)"
+    timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc=$rc after $((SECONDS - t0))s"
+    tail -n "${TAIL:-8}" "$out/$name.log"
+}
+
+# --timeout (pytest-timeout, in the GPU image): a hung test fails with its stack, and the rest still run.
+PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider --durations=8 --timeout=60)
+
+for s in "$@"; do
+    case $s in
+    env)
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+        python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+        ;;
+    keep)
+        mkdir -p "$kept"
+        for d in .site .smol-a .smol-b .smol-c; do [ -d "$d" ] && cp "$d"/* "$kept"/; done
+        ls -l "$kept"
+        ;;
+    site)
+        [ -d "$site/ray" ] || { mkdir -p "$site" && tar -xJf "$kept/site.tar.xz" -C "$site"; }
+        python3 -c "import ray, gguf; print('ray', ray.__version__)"
+        ;;
+    weights)
+        mkdir -p "$(dirname "$RAYSD_SMOLLM2_GGUF")"
+        cat "$kept"/p0 "$kept"/p1 "$kept"/p2 >"$RAYSD_SMOLLM2_GGUF" && sha256sum "$RAYSD_SMOLLM2_GGUF"
+        ;;
+    tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py ;;
+    actors) stage actors 90 "${PYTEST[@]}" tests/gpu/test_gpu_actors.py ;;
+    smol) stage smol 90 "${PYTEST[@]}" tests/gpu/test_gpu_bf16.py -k smollm2 ;;
+    bench)
+        stage bench 200 python3 -m bench run gpu --count-syncs --runners static graph dynamic --reps 10 --warmup 3 \
+            --new-tokens 64 --out "$out/gpu_8b_1b.json"
+        ;;
+    e2e)
+        stage e2e 120 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \
+            --prompts 64 --max-new-tokens 64 --out "$out/fast_step_gpu.json"
+        ;;
+    smolbench)
+        stage smolbench 80 python3 -m bench run gpu --pair smollm2 --rates real --batches 1 8 32 --runners static graph \
+            --reps 10 --warmup 3 --new-tokens 64 --out "$out/gpu_smollm2.json"
+        ;;
+    *) echo "unknown stage: $s" >&2; exit 2 ;;
+    esac
+done
