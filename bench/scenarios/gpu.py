@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
                    help="runners whose step costs are timed (default: static dynamic, + graph on CUDA)")
     g.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
     g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
+    g.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="both" if CUDA else "off",
+                   help="the engine's forwards as CUDA graphs (EngineConfig/DraftModelDrafter cuda_graphs): both = each "
+                        "variant eager and graphed, the graphed AR's baseline the eager AR")
 
 
 def models(a, device):
@@ -123,12 +126,12 @@ def decode_run(generate, make) -> dict:
     return {**full, "decode_tokens_per_s": decode_tokens_per_s(full, one), "prefill_and_first_step_s": one["wall_s"]}
 
 
-def engine_generate(target, drafter, k, batch, rate, device, reqs) -> dict:
+def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False) -> dict:
     from raysd.engine.engine import EngineConfig, SpecEngine
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the synthetic-acceptance warning: the variant says so
-        engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch))
+        engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs))
     sync(device)
     start = time.perf_counter()
     results = engine.generate(reqs)
@@ -206,13 +209,19 @@ def run(a, log=print) -> Outcome:
             syncs[B] = count_syncs(target, draft, V, K, B, lambda n, B=B: requests(B, a.prompt_len, n, V, prompts), device)
         make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
         baselines[B] = f"AR, B={B}"
-        ar = functools.partial(engine_generate, target, lambda: NoDrafter(V, device), 0, B, "real", device)
-        variants.append(Variant(baselines[B], {"side": "engine", "batch": B, "k": 0}, functools.partial(decode_run, ar, make),
-                                None, functools.partial(ar, make(4))))
-        for rate in a.rates:
-            sd = functools.partial(engine_generate, target, lambda: DraftModelDrafter(draft, V), K, B, rate, device)
-            variants.append(Variant(f"raysd a={rate}, B={B}", {"side": "engine", "batch": B, "k": K, "rate": rate},
-                                    functools.partial(decode_run, sd, make), baselines[B], functools.partial(sd, make(4))))
+        for graphs in {"off": [False], "on": [True], "both": [False, True]}[a.cuda_graphs]:
+            tag = " graphs" if graphs else ""
+            ar_name = f"AR{tag}, B={B}"
+            ar = functools.partial(engine_generate, target, lambda: NoDrafter(V, device), 0, B, "real", device, graphs=graphs)
+            variants.append(Variant(ar_name, {"side": "engine", "batch": B, "k": 0, "graphs": graphs},
+                                    functools.partial(decode_run, ar, make), None if ar_name == baselines[B] else baselines[B],
+                                    functools.partial(ar, make(4))))
+            for rate in a.rates:
+                sd = functools.partial(engine_generate, target, lambda g=graphs: DraftModelDrafter(draft, V, cuda_graphs=g), K, B,
+                                       rate, device, graphs=graphs)
+                variants.append(Variant(f"raysd{tag} a={rate}, B={B}", {"side": "engine", "batch": B, "k": K, "rate": rate,
+                                                                         "graphs": graphs},
+                                        functools.partial(decode_run, sd, make), ar_name, functools.partial(sd, make(4))))
     _, runs = run_variants(variants, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
     params = {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters())}
     target_config, target_element = target.config, next(target.parameters()).element_size()
@@ -229,10 +238,10 @@ def run(a, log=print) -> Outcome:
         for v in summaries:
             st = v["settings"]
             if st.get("side") == "engine" and not st["k"]:
-                B = st["batch"]
+                B, key = st["batch"], f"{st['batch']}" + (" graphs" if st.get("graphs") else "")
                 floor = B / floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
                 got = v["median"].get("decode_tokens_per_s")
-                floors[str(B)] = {"floor_tokens_per_s": floor, "ar_decode_tokens_per_s": got,
+                floors[key] = {"floor_tokens_per_s": floor, "ar_decode_tokens_per_s": got,
                                   "of_floor": got / floor if got else None,
                                   "step_of_floor": (B / steps[B][runners[0]]["target_1"]["median_s"]) / floor}
     bounds = []

@@ -108,7 +108,7 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0,
-                 runner: str = "auto"):
+                 runner: str = "auto", cuda_graphs: bool = False):
         if draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
@@ -117,7 +117,8 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size)))
+        # cuda_graphs: the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs).
+        self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size), cuda_graphs=cuda_graphs))
         self.supports_trees = isinstance(self.rows.runner, StaticRunner)
         self.max_model_len = max_model_len(model)
         self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)

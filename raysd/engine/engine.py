@@ -35,6 +35,9 @@ class EngineConfig:
     # (a verify of K + 1 tokens then costs about one decode step; raysd.models.linear; one more
     # copy of the weights in memory), PyTorch's own otherwise; "packed" insists; "stock" never.
     linear_kernels: str = "auto"
+    # The target's decode and verify forwards replayed as CUDA graphs captured per shape
+    # (raysd.models.cuda_graphs; static runner on CUDA). A draft model's: DraftModelDrafter(cuda_graphs=True).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
@@ -74,7 +77,7 @@ class SpecEngine:
         self.admission = Admission.of(spec, output_vocab_size(target), limits, can_decode=tokenizer is not None)
         warn_if_lossy(spec.acceptance)
         self.target = TargetSide(target, self.admission.spec, config.runner, drafter.needs_features, config.linear_kernels,
-                                 decode=None if tokenizer is None else decoder(tokenizer))
+                                 decode=None if tokenizer is None else decoder(tokenizer), cuda_graphs=config.cuda_graphs)
         if spec.tree_budget and (error := tree_support_error(drafter, self.target)):
             raise ValueError(error)
         self.draft = DraftSide(drafter, self.admission.spec, self.target.device)

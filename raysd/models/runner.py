@@ -30,11 +30,15 @@ def check_runner_kind(kind: str) -> None:
 
 
 def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,
-                linear_kernels: str = "auto") -> Runner:
+                linear_kernels: str = "auto", cuda_graphs: bool = False) -> Runner:
     """"auto": the static runner where the architecture supports it, else the dynamic one;
     "static" refuses an unsupported model with a clear error instead of falling back.
-    `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32; "stock")."""
+    `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32; "stock");
+    `cuda_graphs`: the static runner's small forwards replayed as CUDA graphs (raysd.models.cuda_graphs)."""
     check_runner_kind(kind)
     if kind == "static" or (kind == "auto" and supports_static(model)):
-        return StaticRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels)
+        return StaticRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs)
+    if cuda_graphs:
+        raise ValueError(f"cuda_graphs needs the static runner (Llama-family models), not the dynamic one for "
+                         f"{model.config.model_type!r}")
     return DynamicRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels)

@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
 from raysd.models.compat import cache_keyword
+from raysd.models.cuda_graphs import GraphedSteps
 from raysd.models.dynamic_runner import right_aligned
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
@@ -126,11 +127,14 @@ class _SlotCache(Cache):
 
 class StaticRunner:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, max_cache_len: int = 256,
-                 checks: bool = False, compile: bool = False, width_bucket: int = 64, linear_kernels: str = "auto"):
+                 checks: bool = False, compile: bool = False, width_bucket: int = 64, linear_kernels: str = "auto",
+                 cuda_graphs: bool = False):
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
         `checks` turns on the assertions that need a host synchronisation (tests);
         `compile` runs the model through torch.compile (static shapes per (B, T, W));
-        `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU)."""
+        `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU);
+        `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
+        as CUDA graphs captured per shape (raysd.models.cuda_graphs). CUDA only."""
         if not supports_static(model):
             impl = getattr(model.config, "_attn_implementation", None)
             raise ValueError(f"StaticRunner supports {sorted(STATIC_MODEL_TYPES)} with sdpa/eager attention, "
@@ -150,6 +154,11 @@ class StaticRunner:
         self._bound = 0  # host upper bound on max(lengths)
         self._model_call = torch.compile(model, dynamic=False) if compile else model
         self._packed = use_packed(model, linear_kernels) and not compile  # Inductor packs its own
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a model on a CUDA device, not {self.device}")
+        if cuda_graphs and (compile or checks):
+            raise ValueError("cuda_graphs replays captured kernels: not with compile or checks")
+        self.graphs = GraphedSteps(self, cuda_graph_capture, pool=torch.cuda.graph_pool_handle()) if cuda_graphs else None
 
     @property
     def num_rows(self) -> int:
@@ -171,6 +180,10 @@ class StaticRunner:
         the host (saves a synchronisation); otherwise it is read from the device."""
         assert chunks.shape[0] == self.num_rows
         n = max_logits if max_logits is not None else int(num_logits.max())
+        if self.graphs is not None and chunks.shape[1] <= SMALL_CHUNK and self.num_rows:
+            logits = self.graphs(chunks, chunk_valid, num_logits, n)
+            if logits is not None:
+                return logits
         return self._forward(slice(0, self.num_rows), chunks, chunk_valid, num_logits, n)
 
     @torch.inference_mode()
@@ -407,6 +420,11 @@ class StaticRunner:
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
+def cuda_graph_capture(runner: StaticRunner, width: int, max_logits: int, attend: int, pool) -> "CudaGraphStep":
+    """GraphedSteps' capture on CUDA."""
+    return CudaGraphStep(runner, width, max_logits, attend=attend, pool=pool)
+
+
 class CudaGraphStep:
     """One StaticRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph.
 
@@ -418,7 +436,8 @@ class CudaGraphStep:
     refuses to run once a row outgrows it. CUDA only.
     """
 
-    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2):
+    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2,
+                 pool=None):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if not runner._layers():
@@ -443,7 +462,7 @@ class CudaGraphStep:
                     runner.lengths.copy_(saved)
             torch.cuda.current_stream(dev).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, pool=pool):  # a pool shared by a runner's graphs (GraphedSteps)
                 self.out = self._step()
             runner.lengths.copy_(saved)  # capture ran no kernels, but be explicit
 

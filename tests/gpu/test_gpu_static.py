@@ -144,3 +144,30 @@ def test_bf16_engine_over_static_runners_matches_hf_up_to_near_ties():
     assert isinstance(dyn.target.rows.runner, DynamicRunner)
     check_greedy_close(target, ps, [r.token_ids for r in results],
                        [r.token_ids for r in dyn.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_with_cuda_graphs_matches_eager(dtype):
+    """EngineConfig(cuda_graphs=True) and DraftModelDrafter(cuda_graphs=True): the target's decode and
+    verify forwards and the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs).
+    fp32 (TF32 off): tokens equal HF's exactly; bf16: within the near-tie rule, since a graph attends a
+    wider (masked) window than the eager step and SDPA may tile it differently."""
+    target = tiny_on_device("llama", dtype=dtype)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=dtype)
+    ps = make_prompts()
+
+    def run(graphs: bool):
+        speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static", cuda_graphs=graphs),
+                            EngineConfig(speculation, max_batch_size=4, runner="static", cuda_graphs=graphs))
+        out = [r.token_ids for r in engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])]
+        return out, engine
+
+    graphed, engine = run(True)
+    assert engine.target.rows.runner.graphs.replays > 0 and engine.draft.drafter.rows.runner.graphs.replays > 0
+    expected = [hf_greedy(target, p, 24) for p in ps]
+    if dtype == torch.float32:
+        assert graphed == expected
+    else:
+        check_greedy_close(target, ps, graphed, expected)
