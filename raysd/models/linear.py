@@ -9,21 +9,20 @@ docs/history/benchmarks.md "Linear kernels"). A verify over K + 1 tokens therefo
 decode step, which is what decides whether speculation pays on a CPU.
 
 oneDNN's linear over a weight packed once in its blocked layout (what Inductor's CPU freezing and
-vLLM's CPU backend run) costs 1.0-1.4x a single row up to M = 8 on the wide layers. And for one
-row, a layer wider than tall reads faster as x @ W^T stored [in, out] than as `F.linear`'s W x
-(the output head 49152 x 576 at 17.8 against 8.4 GB/s, gate/up 1536 x 576 at 11.4 against 8.0;
-a taller one, down 576 x 1536, reads slower so). Inside `with linears.active():`:
-- 2 <= M <= 128: `torch.ops.mkldnn._linear_pointwise` on the packed copy, the rows padded up to
-  one of `ROW_BUCKETS` (oneDNN caches a compiled primitive per shape: see there); larger M
-  (prefill) `F.linear`;
-- M = 1: x @ W^T on a transposed copy for layers with out_features > in_features, `F.linear` for
-  the others.
+vLLM's CPU backend run) costs 1.0-1.4x a single row up to M = 8 on the wide layers, and for a single
+row it is the fastest product there is: on SmolLM2-135M's shapes (float32, 2 threads, weights cold,
+AMD EPYC AVX-512, 2026-11-27), q/o 576 x 576 65 us against `F.linear`'s 121 (and x @ W^T's 110),
+gate/up 1536 x 576 180 against 313 (x @ W^T 197), down 576 x 1536 169 against 225, the output head
+49152 x 576 4.7 ms against 9.7 (x @ W^T 5.4); only k/v 192 x 576 are as fast either way (24 against
+21 us). Inside `with linears.active():`:
+- 1 <= M <= 128: `torch.ops.mkldnn._linear_pointwise` on the packed copy, two or more rows padded
+  up to one of `ROW_BUCKETS` (oneDNN caches a compiled primitive per shape: see there); larger M
+  (prefill) `F.linear`.
 The results differ from `F.linear`'s by float32 summation order only (~1e-6 relative), as MKL's
 GEMM and GEMV already differ from each other; tests/models/test_linear.py holds the runners'
 logits and the engine's greedy tokens to the stock kernels'.
 
-The copies cost memory: one packed copy of every linear weight, and a transposed one of the layers
-wider than tall (+0.86 GB for SmolLM2-135M in float32, whose weights are 0.54 GB). They are made on a model's first use, kept on the
+The copies cost memory: one packed copy of every linear weight (as much again as the weights). They are made on a model's first use, kept on the
 model (`model_linears`), and made again if a weight changed since (distillation trains drafts in
 place). Outside the block the model is stock, so the same object still runs Hugging Face
 `generate` with PyTorch's own kernels.
@@ -84,7 +83,6 @@ class _Packed:
         self.weight, self.bias = weight, None if module.bias is None else module.bias.detach()
         self.version = (weight.data_ptr(), weight._version)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)  # oneDNN blocked [N, K]
-        self.transposed = weight.t().contiguous() if weight.shape[0] > weight.shape[1] else None  # [K, N]
 
     def stale(self, module: nn.Linear) -> bool:
         w = module.weight
@@ -92,15 +90,11 @@ class _Packed:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
         rows = x.numel() // x.shape[-1]
-        if rows == 1:  # a matrix-vector product
-            if self.transposed is None:
-                return F.linear(x, self.weight, self.bias)
-            y = x @ self.transposed
-            return y if self.bias is None else y + self.bias
         if rows > ROW_BUCKETS[-1]:
             return F.linear(x, self.weight, self.bias)
-        bucket = next(b for b in ROW_BUCKETS if b >= rows)
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, bucket - rows))  # (bucket, K): zero rows below
+        flat = x.reshape(rows, x.shape[-1])  # (rows, K)
+        if rows > 1:  # (bucket, K): zero rows below; one row is its own shape
+            flat = F.pad(flat, (0, 0, 0, next(b for b in ROW_BUCKETS if b >= rows) - rows))
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")[:rows]  # (rows, N)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -28,7 +28,7 @@ def _switched(model: nn.Module) -> list[bool]:
     return ["forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear]
 
 
-@pytest.mark.parametrize("out_features", [24, 200])  # taller than wide (F.linear at one row), wider (x @ W^T)
+@pytest.mark.parametrize("out_features", [24, 200])  # taller than wide, wider
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32), (2, 32), (3, 5, 32), (40, 32)])
 def test_packed_forward_equals_linear(out_features, bias, shape):
@@ -132,7 +132,7 @@ def test_runner_logits_with_packed_kernels_equal_stock(runner_cls):
 
 @pytest.mark.parametrize("runner", ["static", "dynamic"])
 def test_engine_greedy_on_packed_kernels_equals_target_generate(runner):
-    """A wide head (one-row transposed product) and K + 1 verify chunks (oneDNN) against the target's
+    """A wide head (one-row products) and K + 1 verify chunks (oneDNN) against the target's
     own stock `generate`, at batch 1 and 4, a draft model and the n-gram drafter."""
     target = tiny_model("llama", seed=7, vocab=WIDE_VOCAB)
     g = torch.Generator().manual_seed(3)
