@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raysd.core.device import host_to_device
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -61,5 +63,5 @@ def step_uniforms(seeds, positions, K: int, device) -> torch.Tensor:
     (a tree: one per node), K for acceptance, 1 for the final token, keyed by each row's seed
     and the tokens it has generated so far (host sequences or arrays)."""
     keys = torch.as_tensor(np.stack([np.asarray(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64)]))  # [2, B]
-    keys = keys.to(device, non_blocking=True)
+    keys = host_to_device(keys, torch.int64, device)
     return counter_uniforms(keys[0], keys[1], 2 * K + 1)

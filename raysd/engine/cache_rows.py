@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from raysd.core.device import host_to_device
 from raysd.models.runner import Runner
 
 
@@ -76,7 +77,7 @@ class CacheRows:
             [B, n, V] logits, left-aligned per row (see DynamicRunner.forward).
         """
         B, E = extra.shape
-        plen = torch.tensor([len(p) for p in self.pending], dtype=torch.int64, device=self.device)  # [B]
+        plen = host_to_device([len(p) for p in self.pending], torch.int64, self.device)  # [B]
         P = max((len(p) for p in self.pending), default=0)
         pend, _ = _left_aligned(self.pending, P, self.device)  # [B, P]
         combined = torch.cat([pend, extra], dim=1)  # [B, P + E]
@@ -123,7 +124,7 @@ class CacheRows:
             assert new, "every row commits at least one token"
             self.cached[b] += keep
             self.pending[b] = self.pending[b] + list(new[keep:])
-        lengths = torch.tensor(self.cached, dtype=torch.int64, device=self.device)
+        lengths = host_to_device(self.cached, torch.int64, self.device)
         self.runner.rollback(lengths, max(self.cached, default=0))
 
     def feed_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
@@ -147,7 +148,7 @@ class CacheRows:
             assert pending <= {0} or pending == {1}, "a tree follows one pending token per row, or none"
             self._head = int(pending == {1})
             if self._head:
-                head = torch.tensor(self.pending, dtype=torch.int64).to(self.device)  # [B, 1]
+                head = host_to_device(self.pending, torch.int64, self.device)  # [B, 1]
                 tokens, num_nodes = torch.cat([head, tokens], dim=1), num_nodes + 1
                 self.pending = [[] for _ in range(B)]
         h = self._head
@@ -170,7 +171,8 @@ class CacheRows:
             self.cached[b] += h + keep
             self.pending[b] = self.pending[b] + list(new[keep:])
         counts = torch.tensor([h + k for k in keeps], dtype=torch.int64)
-        self.runner.keep_path(nodes.to(self.device), counts.to(self.device), max(self.cached, default=0))
+        self.runner.keep_path(host_to_device(nodes, torch.int64, self.device), host_to_device(counts, torch.int64, self.device),
+                              max(self.cached, default=0))
         self._head = 0
 
     def _speculative_lists(self) -> list[list[int]]:
@@ -187,5 +189,5 @@ def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> tuple[to
     for b, row in enumerate(rows):
         ids[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
         valid[b, : len(row)] = True
-    return ids.to(device), valid.to(device)
+    return host_to_device(ids, torch.int64, device), host_to_device(valid, torch.bool, device)
 

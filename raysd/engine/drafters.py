@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from raysd.core.device import host_to_device
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.cache_rows import CacheRows
@@ -148,7 +149,7 @@ class DraftModelDrafter(Drafter):
             probs.append(p)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
                 logits = self.rows.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
-        num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=device)
+        num = host_to_device(list(max_drafts), torch.int64, device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
@@ -282,7 +283,7 @@ class NgramDrafter(Drafter):
         K = max(counts)
         if K == 0:
             return Proposal.empty(B, self.vocab_size, self.device)
-        ids, num = ids[:, :K].to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)  # [B, K], [B]
+        ids, num = host_to_device(ids[:, :K], torch.int64, self.device), host_to_device(counts, torch.int64, self.device)  # [B, K], [B]
         probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
         return Proposal(ids, num, probs, tuple(counts))
 
@@ -416,8 +417,8 @@ class FeatureDrafter(Drafter):
                 logits = self.runner.forward(t[:, None], ones[:, None].bool(), ones, 1)[:, 0]
                 hidden = self.model.hidden
         # 3. Back to the positions that read the target's features.
-        self.runner.rollback(torch.tensor(self.cached, dtype=torch.int64, device=self.device), max(self.cached))
-        num = torch.as_tensor(list(max_drafts), dtype=torch.int64, device=self.device)
+        self.runner.rollback(host_to_device(self.cached, torch.int64, self.device), max(self.cached))
+        num = host_to_device(list(max_drafts), torch.int64, self.device)
         return Proposal(torch.stack(drafts, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
 
     def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from raysd.core.device import host_to_device
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.drafters import Drafter, Proposal
 
@@ -275,7 +276,7 @@ def one_hot_proposal(drafts: Sequence[Sequence[int]], vocab_size: int, device) -
     ids = torch.zeros(B, K, dtype=torch.int64)  # [B, K]
     for b, d in enumerate(drafts):
         ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-    ids, num = ids.to(device), torch.tensor([len(d) for d in drafts], dtype=torch.int64).to(device)  # [B, K], [B]
+    ids, num = host_to_device(ids, torch.int64, device), host_to_device([len(d) for d in drafts], torch.int64, device)  # [B, K], [B]
     probs = torch.zeros(B, K, vocab_size, device=device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V] one-hot
     return Proposal(ids, num, probs, tuple(len(d) for d in drafts))
 

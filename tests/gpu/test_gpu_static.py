@@ -171,3 +171,37 @@ def test_engine_with_cuda_graphs_matches_eager(dtype):
         assert graphed == expected
     else:
         check_greedy_close(target, ps, graphed, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("k", [0, 4])
+def test_an_engine_step_synchronises_once(k):
+    """The step's read-back is its one host synchronisation (counted on the CPU in
+    tests/engine/test_host_syncs.py); on CUDA the step's host-to-device copies are asynchronous too
+    (raysd.core.device). torch's sync debug mode counts the synchronising calls of a long and of a short
+    run: their difference per step (admission and prefill cancel)."""
+    import warnings
+
+    from raysd.engine.drafters import NoDrafter
+
+    target = tiny_on_device("llama", dtype=torch.bfloat16)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
+    ps = make_prompts()[:4]
+
+    def syncs(new_tokens: int) -> tuple[int, int]:
+        drafter = DraftModelDrafter(draft, VOCAB, runner="static") if k else NoDrafter(VOCAB, DEVICE)
+        engine = SpecEngine(target, drafter, EngineConfig(SpeculationConfig(num_speculative_tokens=k), max_batch_size=4))
+        reqs = [Request(i, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for i, p in enumerate(ps)]
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.generate(reqs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught), engine.timings.steps
+
+    (short, short_steps), (long, long_steps) = syncs(8), syncs(32)
+    assert long_steps > short_steps
+    assert (long - short) / (long_steps - short_steps) <= 1.0, (long - short, long_steps - short_steps)
