@@ -182,8 +182,9 @@ def check_job(cfg: GenerateConfig) -> CheckedJob:
     return CheckedJob(source, store, schema, record, resume=previous is not None)
 
 
-def _init_ray(cfg: GenerateConfig) -> bool:
-    """Connect to --address, to the cluster of a submitted job, or start a local Ray. True if we started it."""
+def _init_ray(cfg: GenerateConfig, gpus: dict) -> bool:
+    """Connect to --address, to the cluster of a submitted job, or start a local Ray (with `gpus`,
+    `_local_gpus`). True if we started it."""
     import ray
 
     from raysd.actors.local import LocalRayNotLoopback, start_local_ray
@@ -206,10 +207,27 @@ def _init_ray(cfg: GenerateConfig) -> bool:
     need = int(math.ceil(cfg.replicas * cfg.replica_cpus))
     try:
         with _ray_logger_quiet(not cfg.verbose):
-            start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **quiet)
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, need) + 1, **gpus, **quiet)
     except LocalRayNotLoopback as exc:
         raise JobError(str(exc)) from None
     return True
+
+
+def _local_gpus(cfg: GenerateConfig) -> dict:
+    """The GPUs of a Ray this job starts here: the ones torch sees, named to Ray (its own detection
+    may differ), or a one-line error before Ray starts if one replica needs more: its actors would
+    otherwise wait for resources that never come, until the placement times out."""
+    if not cfg.num_gpus_per_actor:
+        return {}
+    import torch
+
+    have = torch.cuda.device_count()
+    actors = cfg.target_tensor_parallel + (1 if cfg.draft_is_model else 0)
+    need = cfg.num_gpus_per_actor * actors
+    if need > have:
+        raise JobError(f"--num-gpus-per-actor {cfg.num_gpus_per_actor:g} asks {need:g} GPUs for one replica's {actors} "
+                       f"model actor(s); this machine has {have} (torch.cuda.device_count())")
+    return {"num_gpus": have}
 
 
 @contextlib.contextmanager
@@ -421,12 +439,15 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
         clock.mark("process")
     job = check_job(cfg)
     source, store, schema = job.source, job.store, job.schema
+
+    import ray
+
+    starts_local = not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
+    gpus = _local_gpus(cfg) if starts_local else {}  # before anything is written
     store.prepare(job.record, cfg.overwrite)  # --overwrite deletes only what raysd wrote there
     done = store.done_samples(cfg.id_column)  # the output's id and sample_index columns only
     clock.mark("check")
     started = time.perf_counter()
-
-    import ray
 
     from raysd.jobs.pipeline import PartsSink, build_dataset, start_job_stats, write_on_driver
 
@@ -437,9 +458,8 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     if "num_samples" not in source.schema.names:
         todo = max(0, job.record["input"]["rows"] * cfg.num_samples - sum(len(s) for s in done.values()))
     # `--num-cpus-per-actor auto`: the machine's cores when raysd starts the Ray here, else 1 per actor.
-    starts_local = not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
     cfg = cfg.resolve_actor_cpus(os.cpu_count() if starts_local else None)
-    we_started_ray = _init_ray(cfg)
+    we_started_ray = _init_ray(cfg, gpus)
     stats = progress = job_key = None
     try:
         stats = start_job_stats()  # on the driver's node: no worker node's loss takes it (issue 22)

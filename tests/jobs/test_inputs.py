@@ -132,6 +132,7 @@ BAD_JOBS = {
     "bad flag value": (["--temperature", "-1"], "--temperature must be >= 0"),
     "bad replicas": (["--replicas", "0"], "--replicas must be >= 1"),
     "foreign output": (["--output", "{tmp}/foreign"], "not written by raysd"),
+    "missing GPUs": (["--num-gpus-per-actor", "0.5"], "model actor(s); this machine has 0"),
 }
 
 

@@ -113,7 +113,7 @@ from raysd.jobs import GenerateConfig
 from raysd.jobs.runner import _init_ray
 
 os.environ.pop("RAY_ADDRESS", None)
-assert _init_ray(GenerateConfig(input="x", output="y"))
+assert _init_ray(GenerateConfig(input="x", output="y"), {})
 ray.get(ray.remote(lambda: 1).remote())
 me = psutil.Process()
 procs = {p.pid: p.name() for p in [me] + me.children(recursive=True)}
@@ -155,7 +155,7 @@ def test_local_ray_has_no_dashboard(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    assert runner._init_ray(GenerateConfig(input="x", output="y")) is True
+    assert runner._init_ray(GenerateConfig(input="x", output="y"), {}) is True
     (kw,) = calls
     assert kw["address"] == "local"  # never a stale cluster recorded in /tmp/ray
     assert kw["include_dashboard"] is False
@@ -172,7 +172,7 @@ def test_local_ray_refuses_a_routable_address(monkeypatch):
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.7")
     with pytest.raises(JobError, match="192.0.2.7, not loopback"):
-        runner._init_ray(GenerateConfig(input="x", output="y"))
+        runner._init_ray(GenerateConfig(input="x", output="y"), {})
 
 
 def test_part_names_never_come_from_data(tmp_path):
