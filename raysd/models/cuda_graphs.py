@@ -53,6 +53,8 @@ class GraphedSteps:
         where this shape is not (yet) captured: the caller then runs the eager forward."""
         r = self.runner
         B, T = chunks.shape
+        if not r._layers():  # nothing cached yet: a capture needs the buffers a first forward makes
+            return None
         if self.graphs and self.runner_pointers() != self._pointers:  # the eager path grew the buffers
             self.graphs.clear()
         attend = attend_bucket(r._bound + T, r.max_cache_len)
