@@ -63,7 +63,7 @@ for s in "$@"; do
     actors) stage actors 90 "${PYTEST[@]}" tests/gpu/test_gpu_actors.py ;;
     smol) stage smol 90 "${PYTEST[@]}" tests/gpu/test_gpu_bf16.py -k smollm2 ;;
     bench)
-        stage bench 200 python3 -m bench run gpu --count-syncs --runners static graph dynamic --reps 10 --warmup 3 \
+        stage bench 300 python3 -m bench run gpu --count-syncs --runners static graph dynamic --reps 10 --warmup 3 \
             --new-tokens 64 --out "$out/gpu_8b_1b.json"
         ;;
     e2e)
