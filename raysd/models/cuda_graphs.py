@@ -26,6 +26,12 @@ import torch
 MIN_ATTEND = 256  # the narrowest attended width captured
 
 
+def buffer_pointers(runner) -> list[int]:
+    """Where a StaticRunner's lengths and every layer's keys and values live: a captured graph reads
+    and writes these addresses, so it is valid while they stay."""
+    return [runner._lengths.data_ptr()] + [t.data_ptr() for layer in runner._layers() for t in (layer.keys, layer.values)]
+
+
 def attend_bucket(columns: int, max_columns: int) -> int:
     """The attended width of a graph for rows of up to `columns` tokens: the next power of two
     (at least MIN_ATTEND), within `max_columns` when that is still enough."""
@@ -55,7 +61,7 @@ class GraphedSteps:
         B, T = chunks.shape
         if not r._layers():  # nothing cached yet: a capture needs the buffers a first forward makes
             return None
-        if self.graphs and self.runner_pointers() != self._pointers:  # the eager path grew the buffers
+        if self.graphs and buffer_pointers(r) != self._pointers:  # the eager path grew the buffers
             self.graphs.clear()
         attend = attend_bucket(r._bound + T, r.max_cache_len)
         key = (B, T, n, attend)
@@ -72,7 +78,7 @@ class GraphedSteps:
     def _capture(self, key: tuple):
         B, T, n, attend = key
         step = self.capture(self.runner, T, n, attend, self.pool)  # may grow the buffers first
-        pointers = self.runner_pointers()
+        pointers = buffer_pointers(self.runner)
         if pointers != self._pointers:  # the buffers moved: every earlier graph wrote the old ones
             self.graphs.clear()
             self._pointers = pointers
@@ -81,8 +87,4 @@ class GraphedSteps:
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return step
-
-    def runner_pointers(self) -> list[int]:
-        r = self.runner
-        return [r._lengths.data_ptr()] + [t.data_ptr() for layer in r._layers() for t in (layer.keys, layer.values)]
 

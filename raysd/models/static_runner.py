@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
 from raysd.models.compat import cache_keyword
-from raysd.models.cuda_graphs import GraphedSteps
+from raysd.models.cuda_graphs import GraphedSteps, buffer_pointers
 from raysd.models.dynamic_runner import right_aligned
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
@@ -451,7 +451,7 @@ class CudaGraphStep:
         self.chunk_valid = torch.ones(B, width, dtype=torch.bool, device=dev)
         self.num = torch.full((B,), max_logits, dtype=torch.int64, device=dev)
         self.rows = slice(0, B)
-        self._pointers = self._buffer_pointers()
+        self._pointers = buffer_pointers(self.runner)
         with torch.inference_mode():
             saved = runner.lengths.clone()
             side = torch.cuda.Stream(dev)
@@ -473,10 +473,6 @@ class CudaGraphStep:
         lengths.add_(self.chunk_valid.sum(dim=1))
         return out
 
-    def _buffer_pointers(self) -> list[int]:
-        r = self.runner
-        return [r._lengths.data_ptr()] + [t.data_ptr() for l in r._layers() for t in (l.keys, l.values)]
-
     @torch.inference_mode()
     def __call__(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
         r = self.runner
@@ -485,7 +481,7 @@ class CudaGraphStep:
             raise RuntimeError(f"the runner has {r.num_rows} rows, the step was captured for {self.ids.shape[0]}: capture a new step")
         if r._bound + self.T > self.attend:
             raise RuntimeError(f"rows outgrew the captured width {self.attend}: capture a wider step")
-        if self._buffer_pointers() != self._pointers:
+        if buffer_pointers(self.runner) != self._pointers:
             raise RuntimeError("the runner's buffers moved (they grew): capture a new step")
         self.ids.copy_(chunks)
         self.chunk_valid.copy_(chunk_valid)
