@@ -1,18 +1,34 @@
-"""Draft and target in separate Ray actors, drafting overlapped with batched verification."""
+"""Draft and target in separate Ray actors, drafting overlapped with batched verification.
 
-from raysd.actors.coordinator import ActorResources, CoordinatorConfig, RunOutput, RunReport, SpecCoordinator
-from raysd.actors.model_actors import DrafterSpec
-from raysd.actors.transport import TransferStats, decode_proposal, encode_proposal, pickled_nbytes
+The names below load on first use (PEP 562): `raysd.actors.local`, which a job's driver imports
+to start Ray, then costs no torch and transformers import (a second of CPU on the job's start).
+"""
 
-__all__ = [
-    "ActorResources",
-    "CoordinatorConfig",
-    "DrafterSpec",
-    "RunOutput",
-    "RunReport",
-    "SpecCoordinator",
-    "TransferStats",
-    "decode_proposal",
-    "encode_proposal",
-    "pickled_nbytes",
-]
+import importlib
+
+_EXPORTS = {
+    "ActorResources": "raysd.actors.coordinator",
+    "CoordinatorConfig": "raysd.actors.coordinator",
+    "RunOutput": "raysd.actors.coordinator",
+    "RunReport": "raysd.actors.coordinator",
+    "SpecCoordinator": "raysd.actors.coordinator",
+    "DrafterSpec": "raysd.actors.model_actors",
+    "TransferStats": "raysd.actors.transport",
+    "decode_proposal": "raysd.actors.transport",
+    "encode_proposal": "raysd.actors.transport",
+    "pickled_nbytes": "raysd.actors.transport",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -204,7 +204,8 @@ class SpecCoordinator:
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
         self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
-        self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the first step
+        self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the start (`_open_graph`)
+        self._graph_capacity: float = 0  # its executions in flight at most
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
         # Bundles 0..N-1: the target's ranks; bundle N: the draft actor, if any.
@@ -248,6 +249,10 @@ class SpecCoordinator:
             raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter "
                              "(Llama-family target and draft models, no draft assist)")
         warn_if_lossy(config.speculation.acceptance)
+        try:
+            self._open_graph()
+        except (RayActorError, RayChannelError):  # an actor died as it started: Ray restarts it, and
+            self._close_graph()  # the first step compiles again, through the loop's recovery
 
     @property
     def target(self):
@@ -408,9 +413,11 @@ class SpecCoordinator:
         leaves it with nothing to do. Without it the loop ends when `waiting` is drained.
         `enqueued[i]`: when request i was submitted (for the queue-wait time)."""
         cfg = self.config
+        if self._graph is not None and self._graph_capacity < cfg.num_micro_batches + 1:
+            self._close_graph()  # compiled for fewer executions in flight than this config keeps
         report.slots = cfg.micro_batch_size * cfg.num_micro_batches
         mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
-        in_flight: deque[tuple[object, _MicroBatch, int, float]] = deque()  # executions of the step graph, oldest first
+        in_flight: deque[tuple[object, _MicroBatch, int, float, bool]] = deque()  # executions of the step graph, oldest first
         pacer = _ReadPacer()
         while True:
             if refill is not None:
@@ -434,7 +441,7 @@ class SpecCoordinator:
                             in_flight.append(self._submit(mb))
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
-                ref, mb, nbytes, submitted_at = in_flight.popleft()
+                ref, mb, nbytes, submitted_at, admitted = in_flight.popleft()
                 pacer.nap(submitted_at)
                 verdict, timings = self._read(ref)
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
@@ -443,7 +450,7 @@ class SpecCoordinator:
                 self._recover(mbs, waiting, in_flight, report, exc)
                 pacer = _ReadPacer()
                 continue
-            pacer.ready(timings, colocated=self.draft is None)
+            pacer.ready(timings, colocated=self.draft is None, admitted=admitted)
             report.active_rows += timings.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
             self._take(mb, verdict, timings, results, report)
             t = report.transfer
@@ -468,9 +475,10 @@ class SpecCoordinator:
             mb.rows.append(item)
             mb.new.append(item)
 
-    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int, float]:
+    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int, float, bool]:
         """One step of `mb`, one execution of the step graph (`_step_graph`): the draft actor gets
-        the last verdict and the new rows, the target actor the new rows and the draft's proposal."""
+        the last verdict and the new rows, the target actor the new rows and the draft's proposal.
+        Returns (the execution's ref, mb, the call's bytes, when it was submitted, whether it admitted rows)."""
         spec = self.admission.spec if mb.fresh else None
         target_call = StepCall(mb.mb_id, spec, None, tuple(mb.new), self.draft_info.feature_draft,
                                self.config.max_steps_per_call if self.draft is None else 1, 0.0, self.device_channel)
@@ -479,8 +487,9 @@ class SpecCoordinator:
         else:
             draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s)
             ref = self._step_graph().execute(draft_call, target_call)
+        admitted = bool(mb.new)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
-        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter()
+        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter(), admitted
 
     def _read(self, ref) -> tuple[Verdict, StepTimings]:
         """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
@@ -522,7 +531,7 @@ class SpecCoordinator:
         submission and an object-store round trip per step, which a step across nodes pays in its
         transfers anyway."""
         if self._graph is None and not self.one_node:
-            self._graph = _TaskStep(self.draft, self.targets)
+            self._graph, self._graph_capacity = _TaskStep(self.draft, self.targets), math.inf
         if self._graph is None:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -535,8 +544,21 @@ class SpecCoordinator:
                         proposed = proposed.with_tensor_transport(transport="nccl")
                     outs = [t.step.bind(calls[1], proposed) for t in self.targets]
                 out = outs[0] if len(outs) == 1 else MultiOutputNode(outs)
-            self._graph = out.experimental_compile(_max_inflight_executions=self.config.num_micro_batches + 1)
+            # Sized for two micro-batches at least: a replica compiles at its start with one, then may
+            # switch to two once it knows its step costs (_serve compiles again for more).
+            self._graph_capacity = max(self.config.num_micro_batches, 2) + 1
+            self._graph = out.experimental_compile(_max_inflight_executions=self._graph_capacity)
         return self._graph
+
+    def _open_graph(self) -> None:
+        """Compile the step graph now, before the first step, and wait until its driver-side proxy
+        actor runs. Compiling starts that actor (a new Ray worker process, importing Ray: about a
+        second of CPU); done at the first step, that start shares the cores with the target's first
+        forwards, whose first call then took 0.39 s instead of 0.12 (2 cores, fast-step target, batch 8)."""
+        graph = self._step_graph()
+        proxy = getattr(graph, "_proxy_actor", None)  # Ray 2.60's CompiledDAG; none for _TaskStep
+        if proxy is not None:
+            ray.get(proxy.__ray_ready__.remote())
 
     def _close_graph(self) -> None:
         if self._graph is not None:
@@ -631,22 +653,28 @@ class _ReadPacer:
     run at nice 15) slowed 16x when it had both cores. So the read starts just before the
     step is expected to end: from when the target could start it (its submission plus the
     draft's proposing, or the previous result, whichever is later) plus the target's time,
-    less a slack (SLACK_FRACTION of that time + SLACK_S) spent spinning. The times are the
-    shortest of the last RECENT calls, so that a step cheaper than the one before (`-k auto`
-    choosing K = 0 after K = 4, the batch's last rows) is not overslept; the first step (no
-    estimate yet) is read at once."""
+    less a slack (SLACK_FRACTION of that time + SLACK_S) spent spinning.
 
-    SLACK_FRACTION = 0.15
-    SLACK_S = 2e-4
+    The times are the shortest of the last RECENT calls that admitted no rows, once there are
+    TRUSTED of them: a call with new rows also prefills them, and the first calls of a replica
+    run while its processes still start, so either can take several times a steady call, and a
+    nap planned from one oversleeps the next call by the difference (seen on 2 cores, fast-step
+    target, batch 8: the second and third reads 0.17 s and 0.28 s late). Until then, and for a
+    step cheaper than the last ones (`-k auto` choosing K = 0 after K = 4, the batch's last
+    rows), the read errs early: spinning costs some CPU, oversleeping the whole step's idle target."""
+
+    SLACK_FRACTION = 0.05
+    SLACK_S = 3e-4
     MIN_NAP_S = 5e-4  # below it, sleeping's own wake-up jitter costs more than the spin
     RECENT = 8
+    TRUSTED = 2
 
     def __init__(self):
         self.ready_at = 0.0  # perf_counter when the last result was read
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
 
     def nap(self, submitted_at: float) -> None:
-        if not self.recent:
+        if len(self.recent) < self.TRUSTED:
             return
         target_s = min(t for t, _ in self.recent)
         draft_s = min(d for _, d in self.recent)
@@ -655,9 +683,11 @@ class _ReadPacer:
         if delay > self.MIN_NAP_S:
             time.sleep(delay)
 
-    def ready(self, timings: StepTimings, colocated: bool) -> None:
+    def ready(self, timings: StepTimings, colocated: bool, admitted: bool = False) -> None:
+        """A result was read: `timings` its call's, `admitted` whether the call took new rows."""
         self.ready_at = time.perf_counter()
-        self.recent.append((timings.wall_s, 0.0 if colocated else timings.draft_s))
+        if not admitted:
+            self.recent.append((timings.wall_s, 0.0 if colocated else timings.draft_s))
 
 
 class _TaskStep:

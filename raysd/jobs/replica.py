@@ -424,10 +424,6 @@ class GenerationReplica:
         # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
         self._tokenizer_lock = threading.Lock()
 
-    def ready(self) -> dict:
-        return {"vocab_size": self.coordinator.vocab_size, "has_tokenizer": self.tokenizer is not None,
-                "eos_token_ids": list(self.coordinator.config.eos_token_ids)}
-
     def shutdown(self) -> None:
         try:
             self.stream.close(timeout=5)

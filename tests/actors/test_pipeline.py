@@ -4,6 +4,7 @@ overlap, keeps the target distribution, and survives a killed actor."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -66,6 +67,27 @@ def test_greedy_random_draft_matches_engine_and_target(random_draft):
     print("greedy bytes/step", t.per_step())
 
 
+def test_the_step_graph_is_compiled_at_start_and_again_for_more_micro_batches():
+    """The coordinator compiles its step graph when it starts (SpecCoordinator._open_graph), so its
+    first step shares no core with the graph's proxy actor starting; a config that keeps more
+    executions in flight than the graph was compiled for gets a new graph, with the same tokens."""
+    reqs = requests(random_prompts(6, seed=4), max_new_tokens=8)
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
+    cfg = CoordinatorConfig(speculation, micro_batch_size=2, num_micro_batches=1, draft_resources=CPU, target_resources=CPU)
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
+        first = c._graph
+        assert first is not None and c._graph_capacity == 3  # sized for two micro-batches at least
+        one = c.generate(reqs)
+        c.config = dataclasses.replace(cfg, num_micro_batches=2)
+        two = c.generate(reqs)
+        assert c._graph is first  # two micro-batches fit the graph compiled for one
+        c.config = dataclasses.replace(cfg, micro_batch_size=1, num_micro_batches=3)
+        three = c.generate(reqs)
+        assert c._graph is not first and c._graph_capacity == 4
+    engine = _engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs)
+    assert _tokens(one.results) == _tokens(two.results) == _tokens(three.results) == _tokens(engine)
+
+
 def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_draft, monkeypatch):
     """Where this process and its actors are not on one node, each step runs as actor tasks instead
     of the compiled graph (SpecCoordinator._step_graph): the same tokens and statistics, greedy and
@@ -90,7 +112,8 @@ def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_d
 def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     """The coordinator sleeps instead of spinning in the channel read until the step is about to
     end (SpecCoordinator._serve, _ReadPacer): from when the target can start it (submission plus
-    the draft's proposing, or the last result) plus the target's last time, less the slack."""
+    the draft's proposing, or the last result) plus the target's shortest recent time, less the
+    slack; only once TRUSTED calls without new rows have been timed."""
     from raysd.actors import coordinator
     from raysd.engine.step import StepTimings
 
@@ -98,8 +121,13 @@ def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     monkeypatch.setattr(coordinator.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(coordinator.time, "sleep", slept.append)
     pacer = coordinator._ReadPacer()
+    assert pacer.TRUSTED == 2
     pacer.nap(submitted_at=9.9)
     assert slept == []  # no estimate yet: read at once
+    pacer.ready(StepTimings(draft_s=0.5, wall_s=1.0), colocated=False, admitted=True)  # a prefill: no estimate
+    pacer.ready(StepTimings(draft_s=0.004, wall_s=0.020), colocated=False)
+    pacer.nap(submitted_at=10.0)
+    assert slept == []  # one steady call timed: not trusted yet
     pacer.ready(StepTimings(draft_s=0.004, wall_s=0.020), colocated=False)  # ready at 10.0
     pacer.nap(submitted_at=10.001)  # the target starts once the draft has proposed (10.005)
     assert slept == [pytest.approx(10.005 + 0.020 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S - 10.0)]
@@ -116,7 +144,8 @@ def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     pacer.nap(submitted_at=10.070)  # the shortest recent times: a cheap step is not overslept
     assert slept == [pytest.approx(0.002 + 0.010 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
     pacer = coordinator._ReadPacer()
-    pacer.ready(StepTimings(wall_s=0.0004), colocated=True)
+    for _ in range(2):
+        pacer.ready(StepTimings(wall_s=0.0004), colocated=True)
     pacer.nap(submitted_at=10.070)  # a step shorter than the nap's wake-up jitter: spin
     assert slept == [pytest.approx(0.002 + 0.010 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
 

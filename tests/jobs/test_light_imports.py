@@ -44,6 +44,22 @@ def test_a_replica_process_imports_no_modeling_stack():
     assert out.stdout.strip() == "light", out.stdout
 
 
+DRIVER = """
+import sys
+import raysd.actors.local, raysd.jobs.runner, raysd.jobs.pipeline
+print(",".join(m for m in ("torch", "transformers") if m in sys.modules) or "light")
+"""
+
+
+def test_a_jobs_driver_imports_no_torch():
+    """A job's driver starts Ray (raysd.actors.local) and runs Ray Data: no model, no torch. The
+    package raysd.actors loads its coordinator only when one of its names is used, so starting
+    Ray does not import torch and transformers first (a second of CPU before Ray starts)."""
+    out = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "light", out.stdout
+
+
 def test_names_agree_with_the_loaders():
     from raysd.models import eagle_draft, layer_draft, loading, names
 
