@@ -13,6 +13,7 @@
 #   smol      the SmolLM2 tests alone (after `weights`)
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
+#   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with a 6-layer self-draft, real acceptance
 #
 # Each stage runs under its own time limit (LIMIT_<STAGE> seconds overrides it); its log goes to
@@ -69,6 +70,10 @@ for s in "$@"; do
     e2e)
         stage e2e 120 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \
             --prompts 64 --max-new-tokens 64 --out "$out/fast_step_gpu.json"
+        ;;
+    e2e-graphs)
+        stage e2e-graphs 120 python3 -m bench run fast_step --device cuda --cuda-graphs --batch-sizes 32 \
+            --drafters none,draft:4 --prompts 64 --max-new-tokens 64 --out "$out/fast_step_gpu_graphs.json"
         ;;
     smolbench)
         stage smolbench 80 python3 -m bench run gpu --pair smollm2 --rates real --batches 1 8 32 --runners static graph \

@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     g.add_argument("--sides", type=str_list, default=list(SIDES), help=f"any of {', '.join(SIDES)}")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: a 1B-shaped bf16 target on the GPU, the job's actors sharing it (0.5 GPU each)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="every side replays its small forwards as CUDA graphs (EngineConfig / raysd generate --cuda-graphs); "
+                        "with --device cuda")
 
 
 def build_models(root: str, device: str = "cpu") -> tuple[str, str]:
@@ -93,12 +96,12 @@ def parse_drafter(text: str, draft_dir: str) -> tuple[str, str, int | str]:
     return f"{name} K={k or 4}", draft_dir if name == "draft" else name, k if k == "auto" else int(k or 4)
 
 
-def job_config(target: str, draft: str, k, batch: int, max_new: int, device: str = "cpu", **paths):
+def job_config(target: str, draft: str, k, batch: int, max_new: int, device: str = "cpu", cuda_graphs: bool = False, **paths):
     from raysd.jobs.config import GenerateConfig
 
     cfg = GenerateConfig(input=paths.get("input", "-"), output=paths.get("output", "-"), target=target, draft=draft,
                          num_speculative_tokens=None if draft == "none" else k, max_new_tokens=max_new, batch_size=batch,
-                         quiet=True, overwrite=True, num_gpus_per_actor=0.5 if device == "cuda" else 0.0)
+                         quiet=True, overwrite=True, num_gpus_per_actor=0.5 if device == "cuda" else 0.0, cuda_graphs=cuda_graphs)
     return cfg.resolve_actor_cpus(os.cpu_count())  # as a job resolves --num-cpus-per-actor auto on its own Ray
 
 
@@ -118,7 +121,7 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.engine.suffix import SuffixDrafter
     from raysd.models.loading import ModelSpec, load_model
 
-    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device)
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs)
     torch.set_num_threads(int(cfg.actor_cpus[0]))  # what the job's target actor gets
     start = time.perf_counter()
     spec = ModelSpec(target_dir, cfg.target_dtype, device=a.device).resolved()  # the job's dtype on this device
@@ -126,8 +129,9 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     V = target.config.vocab_size
     device = torch.device(a.device)
     drafter = (NoDrafter(V, device) if draft == "none" else NgramDrafter(V, device) if draft == "ngram" else SuffixDrafter(V)
-               if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft, spec.dtype, device=a.device)), V))
-    engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch))
+               if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft, spec.dtype, device=a.device)), V,
+                                                          cuda_graphs=a.cuda_graphs))
+    engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch, cuda_graphs=a.cuda_graphs))
     loaded = time.perf_counter()
     with torch.inference_mode():
         results = engine.generate(requests(prompts, a.max_new_tokens))
@@ -145,7 +149,7 @@ def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.actors.local import start_local_ray
     from raysd.jobs.replica import GenerationReplica
 
-    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device)
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs)
     gpus = {"num_gpus": 1} if a.device == "cuda" else {}
     start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False, **gpus)  # untimed
     try:
@@ -174,7 +178,7 @@ def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a) -> dict:
     from raysd.jobs.runner import generate
 
     out = tempfile.mkdtemp(dir=workdir)
-    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, input=prompt_file, output=out)).latest_run
+    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs, input=prompt_file, output=out)).latest_run
     rows = pq.read_table(out).to_pylist()
     wall = run.time_breakdown["wall"]
     return figures(Counts.of_rows(rows), run.wall_s, timed="raysd generate: the run's wall", generate_s=wall.get("generating"),
@@ -185,6 +189,8 @@ def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a) -> dict:
 def run(a, log=print) -> Outcome:
     import ray
 
+    if a.cuda_graphs and a.device != "cuda":
+        raise ValueError("fast_step: --cuda-graphs needs --device cuda")
     root = tempfile.mkdtemp(prefix="raysd-bench-fast-step-")
     target_dir, draft_dir = build_models(root, a.device)
     rng = random.Random(0)

@@ -104,9 +104,14 @@ class CoordinatorConfig:
     # N > 1: the target is N rank actors (one placement-group bundle of `target_resources` each),
     # each holding 1/N of its weights (raysd.models.tensor_parallel); a rank's loss restarts all N.
     target_tensor_parallel: int = 1
+    # The target's decode and verify forwards replayed as CUDA graphs captured per shape
+    # (raysd.models.cuda_graphs; static runner, a GPU); a draft model's: DrafterSpec.cuda_graphs.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
+        if self.cuda_graphs and self.runner == "dynamic":
+            raise ValueError("cuda_graphs needs the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.target_tensor_parallel < 1:
             raise ValueError(f"target_tensor_parallel must be >= 1, got {self.target_tensor_parallel}")
         if self.speculation.tree_budget and self.runner == "dynamic":
@@ -270,12 +275,13 @@ class SpecCoordinator:
         tp = self.tensor_parallel
         resources = self.config.target_resources
         if tp == 1:
-            return [self._actor(TargetActor, 0, resources, name=self._target_name).remote(*self._target_args)]
+            return [self._actor(TargetActor, 0, resources, name=self._target_name).remote(
+                *self._target_args, cuda_graphs=self.config.cuda_graphs)]
         ranks = []
         for rank in range(tp):
             named = {"name": self._target_name} if rank == 0 else {}
             cls = self._actor(TargetActor, rank, resources, max_restarts=0, **named)
-            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp)))
+            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp), cuda_graphs=self.config.cuda_graphs))
         return ranks
 
     def _join_group(self, timeout_s: float = 300.0) -> None:

@@ -79,6 +79,8 @@ class DrafterSpec:
     max_ngram: int = 3
     probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
     runner: str = "auto"  # the draft model's KV cache (raysd.models.runner)
+    # A draft model's one-token forwards replayed as CUDA graphs (DraftModelDrafter; static runner, CUDA).
+    cuda_graphs: bool = False
     # Draft assist (raysd.engine.draft_assist): "ngram" lets n-gram lookup draft for the draft model,
     # at most `assist_k` per draft-model step, chosen by goodput on the draft model's step costs
     # profiled in the actor at `assist_batch_sizes` (`assist_adaptive`), else always assist_k.
@@ -112,6 +114,9 @@ class DrafterSpec:
             raise ValueError("draft_top_m needs a draft model")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.cuda_graphs and (self.model_factory is None or self.runner == "dynamic" or self.draft_assist != "none"):
+            raise ValueError("cuda_graphs needs a draft model on the static runner (runner 'auto' or 'static'), "
+                             "without draft assist")
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 
@@ -126,13 +131,16 @@ class DrafterSpec:
         if isinstance(model, EagleDraft):
             if self.draft_assist != "none":
                 raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs replays a draft model's forwards, not an EAGLE feature draft's")
             return FeatureDrafter(model, target_vocab_size, runner=self.runner)
         if self.draft_assist == "ngram":
             adaptive = AdaptiveConfig(assist_costs) if self.assist_adaptive and assist_costs is not None else None
             return DraftAssistDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
                                       assist_k=self.assist_k, assist_adaptive=adaptive,
                                       min_ngram=self.min_ngram, max_ngram=self.max_ngram)
-        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner)
+        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
+                                 cuda_graphs=self.cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -288,6 +296,8 @@ class DraftActor:
         exit_when_orphaned()
         self.spec, self.measure_bytes = spec, measure_bytes
         self.device = assigned_device()
+        if spec.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs replays CUDA graphs: the draft actor runs on {self.device}, not a GPU")
         self.model = spec.model_factory().to(self.device).eval() if spec.model_factory else None
         if isinstance(target_vocab_size, str):  # the target actor's name
             target_vocab_size = _ask_target_vocab_size(target_vocab_size)
@@ -374,14 +384,20 @@ class TargetActor:
     before any runner packs them. The ranks then join one torch.distributed group (`group_address`
     on rank 0, `join_group` on all at once) before their first forward. Every rank runs every
     call with the same arguments (the same rows, the same proposal, the same colocated drafter
-    on the same tokens, the same draws), so they keep the same tokens without exchanging them."""
+    on the same tokens, the same draws), so they keep the same tokens without exchanging them.
+
+    `cuda_graphs`: the target's decode and verify forwards replayed as CUDA graphs (TargetSide; a GPU only)."""
 
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
-                 tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel()):
+                 tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel(),
+                 cuda_graphs: bool = False):
         if drafter is not None and not drafter.colocated:
             raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
         exit_when_orphaned()
         self.device = assigned_device()
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs replays CUDA graphs: the target actor runs on {self.device}, not a GPU")
+        self.cuda_graphs = cuda_graphs
         self.tensor_parallel = tensor_parallel
         model = model_factory()
         # Shard where the factory loaded it (the host, for a model loaded on the CPU): the device then
@@ -397,7 +413,8 @@ class TargetActor:
                                                                       drafter.suffix.max_cached_tokens)
 
         def make(call: StepCall):
-            target = TargetSide(self.model, call.spec, runner, features=call.feature_draft, decode=decode)
+            target = TargetSide(self.model, call.spec, runner, features=call.feature_draft, decode=decode,
+                                cuda_graphs=cuda_graphs)
             if drafter is None:
                 return target
             built = drafter.build(None, self.vocab_size, self.device, suffix_index=self.suffix_index)

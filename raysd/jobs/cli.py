@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the target over N rank actors, each with 1/N of its weights and KV cache and "
                         "--num-gpus-per-actor (Megatron-style; llama, qwen2, mistral; docs/tensor_parallel.md) (default: 1)")
     r.add_argument("--num-gpus-per-actor", type=float, default=0.0, help="GPUs for each model actor; 0.5 shares one GPU per pair (default: 0)")
+    r.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the model actors' decode, verify and drafting forwards as CUDA graphs captured per "
+                        "shape (GPUs, Llama-family models; greedy output unchanged) (default: off)")
     r.add_argument("--num-cpus-per-actor", type=_cpus_value, default=None,
                    help="CPUs (torch threads) for each model actor, or auto: on a local Ray without GPUs the machine's "
                         "cores, shared by the replicas' target and draft models (all to the target with ngram or none); "

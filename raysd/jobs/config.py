@@ -94,6 +94,9 @@ class GenerateConfig:
     # tensor parallelism, raysd.models.tensor_parallel), and --num-gpus-per-actor each.
     target_tensor_parallel: int = 1
     num_gpus_per_actor: float = 0.0
+    # The model actors' small forwards (decode, verify, a draft model's proposing) replayed as CUDA
+    # graphs captured per shape (raysd.models.cuda_graphs): needs GPUs, Llama-family models.
+    cuda_graphs: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
@@ -163,6 +166,8 @@ class GenerateConfig:
             self.num_gpus_per_actor <= 1 or self.num_gpus_per_actor == int(self.num_gpus_per_actor),
             f"--num-gpus-per-actor above 1 must be whole, got {self.num_gpus_per_actor}",
         )
+        need(not self.cuda_graphs or self.num_gpus_per_actor > 0,
+             "--cuda-graphs replays CUDA graphs: it needs GPUs (--num-gpus-per-actor > 0)")
         if self.num_cpus_per_actor is not None:
             need(self.num_cpus_per_actor >= 0, f"--num-cpus-per-actor must be >= 0, got {self.num_cpus_per_actor}")
             need(

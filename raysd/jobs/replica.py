@@ -333,7 +333,8 @@ class GenerationReplica:
             if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
                 drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
             else:
-                drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist)
+                drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist,
+                                      cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none")
             draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=gpus)
         else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
             drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
@@ -350,6 +351,7 @@ class GenerationReplica:
             placement_strategy=cfg.placement_strategy,
             measure_bytes=False,
             target_tensor_parallel=cfg.target_tensor_parallel,
+            cuda_graphs=cfg.cuda_graphs,
         )
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and

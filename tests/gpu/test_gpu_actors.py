@@ -107,3 +107,19 @@ def test_seeded_sampling_through_actors_equals_engine():
     with coordinator(torch.bfloat16, 4, 1) as c:
         out = c.generate(reqs)
     assert [r.token_ids for r in out.results] == engine_tokens(torch.bfloat16, 4, reqs)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (the CPU refusal: tests/jobs/test_options.py)")
+def test_cuda_graphs_through_the_actors_equal_hf_greedy():
+    """CoordinatorConfig(cuda_graphs) and DrafterSpec(cuda_graphs), as `raysd generate --cuda-graphs`
+    sets them: the target's and the draft's small forwards replayed as CUDA graphs inside the actors.
+    fp32: tokens equal HF's greedy exactly (TF32 off: tests/gpu/conftest.py)."""
+    reqs = requests(prompts(seed=4))
+    target = tiny_on_device("llama", 0, dtype=torch.float32)
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
+    cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=2, draft_resources=RES, target_resources=RES,
+                            cuda_graphs=True)
+    draft = DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=torch.float32), cuda_graphs=True)
+    with SpecCoordinator(tiny_factory("llama", 0, dtype=torch.float32), draft, cfg) as c:
+        out = c.generate(reqs)
+    assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), MAX_NEW) for r in reqs]

@@ -45,12 +45,14 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
     default = parse()
     assert (default.num_samples, default.stop, default.logprobs, default.top_logprobs) == (1, (), False, 0)
     assert (default.target_dtype, default.draft_dtype, default.quiet, default.verbose) == ("auto", "auto", False, False)
+    assert parse("--cuda-graphs", "--num-gpus-per-actor", "1").cuda_graphs and not default.cuda_graphs
     bad = {
         ("-n", "0"): "--num-samples must be an integer in 1..1024, got 0",
         ("--stop", ""): "--stop must be a non-empty string, got ''",
         ("--top-logprobs", "21"): "--top-logprobs must be an integer in 0..20, got 21",
         ("--logprobs-mode", "processed"): "--logprobs-mode processed needs --logprobs or --top-logprobs",
         ("--draft-dtype", "fp8"): "--draft-dtype must be one of auto, float32, bfloat16, float16, got 'fp8'",
+        ("--cuda-graphs",): "--cuda-graphs replays CUDA graphs: it needs GPUs (--num-gpus-per-actor > 0)",
     }
     for argv, message in bad.items():
         with pytest.raises(JobError) as err:
@@ -60,6 +62,26 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
         GenerateConfig(input="x", output="y", quiet=True, verbose=True)
     with pytest.raises(SystemExit):  # argparse refuses both flags together
         parse("--quiet", "--verbose")
+
+
+def test_cuda_graphs_reach_the_model_actors_and_refuse_a_cpu():
+    """--cuda-graphs sets the target's (CoordinatorConfig) and a draft model's (DrafterSpec) graphs; a
+    model actor that is not on a GPU refuses them before loading its model (tests/gpu runs them)."""
+    from raysd.actors.coordinator import CoordinatorConfig
+    from raysd.actors.model_actors import DraftActor, DrafterSpec, TargetActor
+
+    def never():
+        raise AssertionError("a model actor on a CPU must refuse cuda_graphs before loading its model")
+
+    with pytest.raises(ValueError, match="not a GPU"):
+        TargetActor(never, cuda_graphs=True)
+    with pytest.raises(ValueError, match="not a GPU"):
+        DraftActor(DrafterSpec(never, cuda_graphs=True), VOCAB)
+    with pytest.raises(ValueError, match="static runner"):
+        CoordinatorConfig(runner="dynamic", cuda_graphs=True)
+    for bad in ({}, {"runner": "dynamic"}, {"draft_assist": "ngram"}):
+        with pytest.raises(ValueError, match="cuda_graphs needs a draft model"):
+            DrafterSpec(never if bad else None, cuda_graphs=True, **bad)
 
 
 def test_config_constants_agree_with_the_sampler():
