@@ -92,6 +92,19 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return _clamp(_one_minus_pow(a, k + 1) / (1.0 - a), 1.0, float(k + 1))
 
 
+def expected_tokens_batch(alphas: Sequence[float], budgets: Sequence[int], k_max: int) -> np.ndarray:
+    """[k_max + 1] the batch's expected tokens per target step at K = 0..k_max: the sum over rows of
+    expected_tokens_per_step(alpha_b, min(K, budget_b)), each alpha clipped into [0, 1]. The same
+    formula vectorised over rows and K, for a controller that weighs every K at every step."""
+    a = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0)[:, None]  # (B, 1)
+    n = np.minimum(np.arange(k_max + 1)[None, :], np.asarray(budgets, dtype=np.int64)[:, None]) + 1  # (B, K + 1)
+    below = a < 1.0
+    safe = np.where(below, a, 0.0)  # no log(0) or 1 - 1 in the lanes where a == 1
+    with np.errstate(divide="ignore"):
+        tokens = np.where(below, -np.expm1(n * np.log1p(safe - 1.0)) / (1.0 - safe), n)  # (B, K + 1)
+    return np.clip(tokens, 1.0, n).sum(axis=0)
+
+
 def expected_walltime_improvement(alpha: float, k: int, cost_ratio: float) -> float:
     """Speedup over autoregressive decoding = (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)).
 

@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from raysd.core.speculation import AdaptiveConfig, StepCosts
-from raysd.core.theory import expected_tokens_per_step
+from raysd.core.theory import expected_tokens_batch
 from raysd.core.tree_shape import RANK_PRIOR, TreeShape, tree_shape
 from raysd.models.profile import time_forward, time_forward_upto
 
@@ -132,7 +132,7 @@ class KController:
         (one of `tree_budgets(P)`) cut at depth k; rows capped by their budgets (room)."""
         B, costs, overlapped = len(alphas), self.costs, self.config.overlapped
         if not tree_budget:
-            tokens = sum(expected_tokens_per_step(min(max(a, 0.0), 1.0), min(k, cap)) for a, cap in zip(alphas, budgets))
+            tokens = float(expected_tokens_batch(alphas, budgets, k)[k]) if B else 0.0
             return tokens / step_seconds(costs, B, k, overlapped)
         tree = next(t for t in self.trees if t.budget == tree_budget)
         a, caps = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0), np.minimum(np.asarray(budgets), k)
@@ -385,9 +385,10 @@ def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveCo
     costs = config.costs if costs is None else costs
     B = len(alphas)
     best_k, best = 0, B / step_seconds(costs, B, 0, config.overlapped)
-    for k in range(1, min(costs.k_max, max(budgets, default=0)) + 1):
-        tokens = sum(expected_tokens_per_step(min(max(a, 0.0), 1.0), min(k, cap)) for a, cap in zip(alphas, budgets))
-        goodput = tokens / step_seconds(costs, B, k, config.overlapped)
+    k_max = min(costs.k_max, max(budgets, default=0))
+    tokens = expected_tokens_batch(alphas, budgets, k_max) if k_max > 0 else None  # [k_max + 1]
+    for k in range(1, k_max + 1):
+        goodput = tokens[k] / step_seconds(costs, B, k, config.overlapped)
         if goodput > best:
             best_k, best = k, goodput
     return best_k

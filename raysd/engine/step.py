@@ -109,51 +109,69 @@ def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, ho
 class DraftSide:
     """The propose half: a drafter and, per row, what its draws and its cap depend on.
 
-    The drafter stays cold until a step asks for drafts: until then the side keeps the rows'
-    tokens itself and the drafter does no work at all (no prefill, no cache), so a step with
-    K = 0, as the adaptive controller chooses when drafting would not pay, costs the draft
-    side nothing. The first step with K > 0 prefills the drafter with every row's tokens."""
+    A draft model gets a row only when a step asks for drafts: until then the side keeps the row's
+    tokens itself (the row is cold) and the drafter does no work for it (no prefill, no cache), so
+    a step with K = 0, as the adaptive controller chooses when drafting would not pay, costs the
+    draft side nothing, for the rows admitted before the first drafting step and for every row
+    admitted after the last one alike. A step with K > 0 first prefills the drafter with each cold
+    row's tokens so far. The drafter's rows are the warm rows, in the batch's order."""
 
     def __init__(self, drafter: Drafter, spec: SpeculationConfig, device: torch.device | str):
         self.drafter, self.spec, self.device = drafter, spec, torch.device(device)
         self.batch = Batch(spec, drafter.needs_features)
-        # Each row's tokens while a draft model holds none; None once warm (a feature draft is never
-        # cold: it follows the target's features from a row's first step; a model-free drafter has
-        # no prefill to save, and the suffix drafter learns from every row that finishes).
-        self.cold: list[list[int]] | None = [] if drafter.max_model_len is not None and not drafter.needs_features else None
+        # Whether rows may wait cold: a draft model's (a feature draft follows the target's features
+        # from a row's first step; a model-free drafter has no prefill to save, and the suffix
+        # drafter learns from every row that finishes).
+        self.lazy = drafter.max_model_len is not None and not drafter.needs_features
+        self.cold: list[list[int] | None] = []  # per batch row: its tokens while cold, None once in the drafter
         self._sampling: SamplingTensors | None = None
-        self.prefill_s = 0.0  # seconds the first drafting step spent prefilling the cold rows
+        self.prefill_s = 0.0  # seconds drafting steps spent prefilling cold rows
 
     def __len__(self) -> int:
         return len(self.batch)
 
     def add(self, items: Sequence[tuple[int, Request]]) -> None:
         prompts = [list(req.prompt_token_ids) for _, req in items]
-        if self.cold is None:
-            self.drafter.add_rows(prompts)
-        else:
+        if self.lazy:
             self.cold += prompts
+        else:
+            self.drafter.add_rows(prompts)
+            self.cold += [None] * len(prompts)
         self.batch.add(items)
         self._sampling = None
 
+    @property
+    def num_cold(self) -> int:
+        return sum(tokens is not None for tokens in self.cold)
+
     def confidence(self) -> np.ndarray | None:
         """[B, K] the drafter's own acceptance estimate for each row's drafts up to its room
-        (Drafter.confidence), or None (a cold drafter, or one with no such estimate)."""
-        if self.cold is not None or not len(self.batch):
+        (Drafter.confidence), or None (a cold row, or a drafter with no such estimate)."""
+        if self.num_cold or not len(self.batch):
             return None
         return self.drafter.confidence(self.batch.room().tolist())
+
+    def _warm_up(self) -> None:
+        """Every cold row into the drafter: appended after the warm rows, then put in the batch's order."""
+        t0 = time.perf_counter()
+        warm = [i for i, tokens in enumerate(self.cold) if tokens is None]
+        cold = [i for i, tokens in enumerate(self.cold) if tokens is not None]
+        self.drafter.add_rows([self.cold[i] for i in cold])
+        where = {row: n for n, row in enumerate(warm + cold)}  # batch row -> the drafter's row
+        order = [where[i] for i in range(len(self.cold))]
+        if order != list(range(len(order))):
+            self.drafter.select(order)
+        self.cold = [None] * len(self.cold)
+        self.prefill_s += time.perf_counter() - t0
 
     def propose(self, plan: Plan) -> Proposal:
         """Up to min(plan.k, room) drafts per row, drawn with the rows' own counter-based draws;
         with a tree, its nodes at most min(plan.k, room) deep (Drafter.propose_tree)."""
         offered = np.minimum(self.batch.room(), plan.k)  # [B]
-        if self.cold is not None:
-            if not offered.any():  # nothing to draft: the drafter stays cold
-                return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
-            t0 = time.perf_counter()
-            self.drafter.add_rows(self.cold)
-            self.cold = None
-            self.prefill_s += time.perf_counter() - t0
+        if not offered.any() and self.num_cold:  # nothing to draft: the cold rows stay cold
+            return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
+        if self.num_cold:
+            self._warm_up()
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
         tree = plan.tree(self.spec.num_speculative_tokens)
@@ -167,21 +185,26 @@ class DraftSide:
         """Accept the verdict's tokens, roll the drafter back to them (with a tree: keep the
         accepted branch), and retire the rows that finished."""
         self.batch.accept(verdict)
+        warm = [i for i, tokens in enumerate(self.cold) if tokens is None]  # the drafter's rows, in order
+        for tokens, new in zip(self.cold, verdict.kept):
+            if tokens is not None:
+                tokens += new
         if self.drafter.needs_features:
             assert verdict.features is not None, "a feature draft needs the target's features in every verdict"
             self.drafter.commit(verdict.kept, verdict.accepted, [f.to(self.device) for f in verdict.features])
-        elif self.cold is not None:
-            for tokens, new in zip(self.cold, verdict.kept):
-                tokens += new
-        elif verdict.path is None:
-            self.drafter.commit(verdict.kept, verdict.accepted)
-        else:
-            self.drafter.commit_path(verdict.kept, verdict.path)
-        if verdict.keep is not None:
-            if self.cold is None:
-                self.drafter.select(verdict.keep)
+        elif len(warm) == len(self.cold):
+            if verdict.path is None:
+                self.drafter.commit(verdict.kept, verdict.accepted)
             else:
-                self.cold = [self.cold[i] for i in verdict.keep]
+                self.drafter.commit_path(verdict.kept, verdict.path)
+        elif warm:  # a step without drafts (a cold row never drafts): the warm rows take their new tokens
+            assert verdict.path is None and not verdict.accepted[warm].any(), "a step with cold rows drafts nothing"
+            self.drafter.commit([verdict.kept[i] for i in warm], verdict.accepted[warm])
+        if verdict.keep is not None:
+            where = {row: n for n, row in enumerate(warm)}
+            if warm:
+                self.drafter.select([where[i] for i in verdict.keep if i in where])
+            self.cold = [self.cold[i] for i in verdict.keep]
             self.batch.keep(verdict.keep)
             self._sampling = None
 

@@ -315,3 +315,17 @@ def test_relaxed_rule_point_checks_its_arguments():
     for tv, lam in [(1.5, 0.1), (0.2, -0.1), (0.2, 1.1), (float("nan"), 0.5)]:
         with pytest.raises(ValueError):
             th.relaxed_rule_point(tv, lam)
+
+
+def test_expected_tokens_batch_is_the_scalar_formula_summed_over_rows():
+    """The controller's vectorised form (choose_k) against expected_tokens_per_step row by row:
+    alphas at the ends (0, 1, 1 + 2e-5 clipped), rows whose budget caps K, an empty batch."""
+    rng = np.random.default_rng(0)
+    alphas = np.concatenate([[0.0, 1.0, 1.0 + 2e-5, 0.5, 1e-9, 1 - 1e-9], rng.uniform(0, 1, 58)])
+    budgets = np.concatenate([[0, 3, 8, 1, 8, 8], rng.integers(0, 12, 58)])
+    got = th.expected_tokens_batch(alphas, budgets, 8)
+    for k in range(9):
+        want = sum(th.expected_tokens_per_step(min(a, 1.0), min(k, int(b))) for a, b in zip(alphas, budgets))
+        assert got[k] == pytest.approx(want, rel=1e-12)
+    assert got[0] == len(alphas)  # K = 0: one token per row
+    assert th.expected_tokens_batch([], [], 4).tolist() == [0.0] * 5

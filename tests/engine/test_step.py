@@ -87,3 +87,41 @@ def test_both_sides_keep_the_same_rows_and_statistics():
         t, d = engine.target.batch, engine.draft.batch
         assert t.ids == d.ids and t.generated.tolist() == d.generated.tolist()
         assert t.stats.overlap_sum.tolist() == d.stats.overlap_sum.tolist() and t.room().tolist() == d.room().tolist()
+
+
+def test_rows_admitted_after_drafting_stay_cold_until_the_next_drafting_step():
+    """A draft model gets a row only at a step that drafts (DraftSide._warm_up): rows admitted while
+    steps plan K = 0 cost it nothing, whether or not an earlier step drafted, and join its cache
+    at the next drafting step, in the batch's order however finished rows' slots were refilled.
+    With the draft the target itself, every draft is accepted: the drafter's rows are in sync;
+    greedy output is the target's own."""
+    target = tiny_model("llama", seed=0)
+    ps = prompts(seed=6)[:7]
+    lengths = [5, 12, 4, 7, 4, 10, 10]  # rows finish at different steps: freed slots are refilled mid-batch
+    schedule = [2, 2, 0, 0, 2, 0, 2, 2, 4, 0]
+    engine = SpecEngine(target, DraftModelDrafter(target, VOCAB), EngineConfig(SPEC, max_batch_size=3))
+    side, seen, step, reorders = engine.draft, [], [0], []
+    select = side.drafter.select
+
+    def recording_select(rows):
+        if sorted(rows) == list(range(len(rows))) != list(rows):  # every row, reordered: a warm-up's
+            reorders.append(list(rows))
+        select(rows)
+
+    side.drafter.select = recording_select
+
+    def plan(draft):
+        k = schedule[step[0] % len(schedule)]
+        seen.append((k, side.drafter.rows.runner.num_rows, len(side)))
+        step[0] += 1
+        return Plan(k)
+
+    engine.hook.plan = plan
+    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                           for i, (p, n) in enumerate(zip(ps, lengths))])
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, n) for p, n in zip(ps, lengths)]
+    assert all(r.stats.num_accepted_draft_tokens == r.stats.num_draft_tokens for r in out)
+    assert sum(r.stats.num_draft_tokens for r in out) > 0
+    assert any(k == 0 and 0 < rows < batch for k, rows, batch in seen)  # a warm drafter beside cold rows
+    assert reorders  # a refilled slot put a cold row before a warm one: the warm-up restored the batch's order
+    assert engine.timings.prefill_s > 0
