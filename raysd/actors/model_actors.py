@@ -397,7 +397,6 @@ class TargetActor:
         self.device = assigned_device()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs replays CUDA graphs: the target actor runs on {self.device}, not a GPU")
-        self.cuda_graphs = cuda_graphs
         self.tensor_parallel = tensor_parallel
         model = model_factory()
         # Shard where the factory loaded it (the host, for a model loaded on the CPU): the device then
