@@ -122,9 +122,7 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.models.loading import ModelSpec, load_model
 
     cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs)
-    # What the job's target actor gets; with a draft model, what each model gets while they take turns
-    # (one micro-batch, GenerateConfig.serial_threads), as here in one process.
-    torch.set_num_threads(cfg.serial_threads or int(cfg.actor_cpus[0]))
+    torch.set_num_threads(int(cfg.actor_cpus[0]))  # what the job's target actor gets
     start = time.perf_counter()
     spec = ModelSpec(target_dir, cfg.target_dtype, device=a.device).resolved()  # the job's dtype on this device
     target = load_model(spec)

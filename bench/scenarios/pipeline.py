@@ -80,8 +80,7 @@ def engine_run(prompts, drafter, k, batch, a) -> dict:
     from raysd.models.loading import ModelSpec, eos_token_ids, load_model
     from bench.models import Models
 
-    cfg = job_config(drafter, k, batch, a.max_new_tokens)
-    torch.set_num_threads(cfg.serial_threads or int(cfg.actor_cpus[0]))  # as in bench/scenarios/fast_step.py
+    torch.set_num_threads(int(job_config(drafter, k, batch, a.max_new_tokens).actor_cpus[0]))
     start = time.perf_counter()
     models = Models(target=load_model(ModelSpec()), with_tokenizer=False)
     adaptive, K = None, k

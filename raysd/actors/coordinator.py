@@ -211,7 +211,6 @@ class SpecCoordinator:
         self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
         self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the start (`_open_graph`)
         self._graph_capacity: float = 0  # its executions in flight at most
-        self._num_threads: int | None = None  # set_num_threads
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
         # Bundles 0..N-1: the target's ranks; bundle N: the draft actor, if any.
@@ -360,20 +359,6 @@ class SpecCoordinator:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.placement_group)
-
-    def set_num_threads(self, n: int) -> None:
-        """torch's threads in every model actor, instead of its CPUs (Ray sets OMP_NUM_THREADS from
-        them): for actors that never run at once (one micro-batch) on cores they share. Applied
-        again to actors Ray restarts (`_recover`)."""
-        if n < 1:
-            raise ValueError(f"threads must be >= 1, got {n}")
-        self._num_threads = n
-        self._apply_threads()
-
-    def _apply_threads(self) -> None:
-        if self._num_threads is not None:
-            actors = [*self.targets, *([self.draft] if self.draft is not None else [])]
-            ray.get([a.set_num_threads.remote(self._num_threads) for a in actors])
 
     def profile_step_costs(self, k_max: int, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> StepCosts:
         """Step costs measured inside the actors, on the devices they run on. Every rank of a
@@ -631,10 +616,6 @@ class SpecCoordinator:
         self._wait_for_actors()
         if restart_ranks:
             self._join_group()
-        try:
-            self._apply_threads()  # a restarted actor has its CPUs' threads again
-        except RayActorError:
-            pass  # it died again: the next step fails and recovers once more
 
     def _ranks_alive(self, timeout_s: float = 10.0) -> bool:
         """Whether every rank of a tensor-parallel target still answers."""

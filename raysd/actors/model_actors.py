@@ -313,10 +313,6 @@ class DraftActor:
         self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
         self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
 
-    def set_num_threads(self, n: int) -> None:
-        """torch's threads in this actor (SpecCoordinator.set_num_threads)."""
-        torch.set_num_threads(n)
-
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
         if self.model is None:
@@ -437,10 +433,6 @@ class TargetActor:
         (all ranks are called at once). NCCL between GPUs, gloo on the CPU."""
         tp = self.tensor_parallel
         init_group(tp.rank, tp.world_size, address, port, default_backend(self.device), timeout_s)
-
-    def set_num_threads(self, n: int) -> None:
-        """torch's threads in this actor (SpecCoordinator.set_num_threads)."""
-        torch.set_num_threads(n)
 
     def time_steps(self, batch_sizes: Sequence[int], k_max: int, context: int, reps: int) -> list[list[float]]:
         """[len(batch_sizes)][k_max + 1] seconds of one target forward of K + 1 tokens per row.

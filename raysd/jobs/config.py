@@ -98,10 +98,6 @@ class GenerateConfig:
     # graphs captured per shape (raysd.models.cuda_graphs): needs GPUs, Llama-family models.
     cuda_graphs: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
-    # Set by resolve_actor_cpus, not a flag: torch threads for each model actor of a replica whose draft
-    # and target never run at once (one micro-batch), on a machine whose cores this job owns; None: keep
-    # each actor's own CPUs.
-    serial_threads: int | None = None
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
     address: str | None = None  # an existing Ray cluster; None starts a local one
@@ -172,8 +168,6 @@ class GenerateConfig:
         )
         need(not self.cuda_graphs or self.num_gpus_per_actor > 0,
              "--cuda-graphs replays CUDA graphs: it needs GPUs (--num-gpus-per-actor > 0)")
-        need(self.serial_threads is None or (_is_int(self.serial_threads) and self.serial_threads >= 1),
-             f"serial_threads must be None or an integer >= 1, got {self.serial_threads!r}")
         if self.num_cpus_per_actor is not None:
             need(self.num_cpus_per_actor >= 0, f"--num-cpus-per-actor must be >= 0, got {self.num_cpus_per_actor}")
             need(
@@ -225,21 +219,14 @@ class GenerateConfig:
         OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
         than with one (docs/history/benchmarks.md, Benchmark 6); SmolLM2 through a job, 1.3x.
         No core is kept for the replica's own process: it sleeps through each step (SpecCoordinator's
-        _ReadPacer). Elsewhere (GPUs, or a cluster) 1.
-
-        A draft model's replica that runs one micro-batch (`-k auto` without a cached profile, or
-        where two do not pay) runs its draft and its target one after the other: each may then use
-        the replica's whole share of cores (`serial_threads`), and the target is not left on half
-        the cores while `-k auto` decodes plainly and the draft's sit idle."""
+        _ReadPacer). Elsewhere (GPUs, or a cluster) 1."""
         if self.num_cpus_per_actor is not None:
             return self
-        cpus, serial = 1.0, None
+        cpus = 1.0
         if local_cores and self.num_gpus_per_actor == 0:
             models = self.replicas * (self.target_tensor_parallel + (1 if self.draft_is_model else 0))
             cpus = float(max(1, local_cores // models))
-            if self.draft_is_model:
-                serial = max(1, local_cores // (self.replicas * self.target_tensor_parallel))
-        return dataclasses.replace(self, num_cpus_per_actor=cpus, serial_threads=serial)
+        return dataclasses.replace(self, num_cpus_per_actor=cpus)
 
     @property
     def adaptive_speculation(self) -> bool:

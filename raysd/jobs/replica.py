@@ -407,8 +407,6 @@ class GenerationReplica:
                 micro = num_micro_batches(costs, cfg.batch_size, k)
                 if cfg.adaptive_speculation:
                     adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
-        if cfg.serial_threads and cfg.draft_is_model and micro == 1:
-            self.coordinator.set_num_threads(cfg.serial_threads)  # draft and target take turns: each takes every core
         speculation = dataclasses.replace(cfg.speculation, eos_token_ids=eos, adaptive=adaptive)
         self.coordinator.config = ccfg = dataclasses.replace(
             self.coordinator.config, speculation=speculation, micro_batch_size=math.ceil(cfg.batch_size / micro),

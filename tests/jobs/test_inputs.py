@@ -210,16 +210,6 @@ def test_actor_cpus_auto_shares_a_local_machine_and_is_one_elsewhere():
     assert cfg(draft="some/draft", num_cpus_per_actor=3).resolve_actor_cpus(16).actor_cpus == (3.0, 3.0)
     with pytest.raises(JobError, match="cannot both be 0"):
         cfg(num_cpus_per_actor=0)
-    # Draft and target taking turns (one micro-batch) may each use the replica's whole share.
-    assert cfg(draft="some/draft").resolve_actor_cpus(16).serial_threads == 16
-    assert cfg(draft="some/draft", replicas=3).resolve_actor_cpus(16).serial_threads == 5
-    assert cfg(draft="some/draft", replicas=3).resolve_actor_cpus(2).serial_threads == 1
-    for kept in (cfg(draft="ngram").resolve_actor_cpus(16), cfg(draft="some/draft").resolve_actor_cpus(None),
-                 cfg(draft="some/draft", num_gpus_per_actor=1).resolve_actor_cpus(16),
-                 cfg(draft="some/draft", num_cpus_per_actor=3).resolve_actor_cpus(16)):
-        assert kept.serial_threads is None
-    with pytest.raises(JobError, match="serial_threads"):
-        cfg(serial_threads=0)
 
     p = argparse.ArgumentParser()
     add_arguments(p)
