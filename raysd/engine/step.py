@@ -168,9 +168,9 @@ class DraftSide:
         """Up to min(plan.k, room) drafts per row, drawn with the rows' own counter-based draws;
         with a tree, its nodes at most min(plan.k, room) deep (Drafter.propose_tree)."""
         offered = np.minimum(self.batch.room(), plan.k)  # [B]
-        if not offered.any() and self.num_cold:  # nothing to draft: the cold rows stay cold
-            return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
         if self.num_cold:
+            if not offered.any():  # nothing to draft: the cold rows stay cold
+                return Proposal.empty(len(self.batch), self.drafter.vocab_size, self.device)
             self._warm_up()
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
