@@ -99,7 +99,8 @@ class CoordinatorConfig:
     # With a model-free drafter (run inside the target actor), one call to the target actor runs up
     # to this many steps, returning after the first that retires a row (TargetActor.step): a
     # row's slot is refilled as soon as it frees, and the steps between cost no round trip. A
-    # request arriving while the rows run waits at most this many steps for a free slot.
+    # request arriving while the rows run waits at most this many steps for a free slot. With a
+    # draft actor, so do the plain steps its controller plans in a row (`-k auto`, Proposed.steps).
     max_steps_per_call: int = 8
     # N > 1: the target is N rank actors (one placement-group bundle of `target_resources` each),
     # each holding 1/N of its weights (raysd.models.tensor_parallel); a rank's loss restarts all N.
@@ -184,6 +185,7 @@ class _MicroBatch:
     new: list[tuple[int, Request]] = field(default_factory=list)  # admitted, not yet sent to the actors
     last: Verdict | None = None  # the target's last verdict, for the draft actor's next call
     last_verify_s: float = 0.0  # and the target's seconds for it
+    last_steps: int = 0  # the steps its last call ran (kept when it empties; 0 after a recovery)
     fresh: bool = True  # the actors hold no (valid) state for it: the next step starts it afresh
     busy: bool = False
 
@@ -486,12 +488,14 @@ class SpecCoordinator:
         the last verdict and the new rows, the target actor the new rows and the draft's proposal.
         Returns (the execution's ref, mb, the call's bytes, when it was submitted, whether it admitted rows)."""
         spec = self.admission.spec if mb.fresh else None
+        # max_steps: a colocated drafter's steps per call, or a draft actor's plain run (Proposed.steps).
         target_call = StepCall(mb.mb_id, spec, None, tuple(mb.new), self.draft_info.feature_draft,
-                               self.config.max_steps_per_call if self.draft is None else 1, 0.0, self.device_channel)
+                               self.config.max_steps_per_call, 0.0, self.device_channel)
         if self.draft is None:
             ref = self._step_graph().execute(target_call)
         else:
-            draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s)
+            draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s,
+                                             last_steps=mb.last_steps)
             ref = self._step_graph().execute(draft_call, target_call)
         admitted = bool(mb.new)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
@@ -585,6 +589,7 @@ class SpecCoordinator:
             mb.rows = [mb.rows[k] for k in verdict.keep]
         if self.draft is not None:
             mb.last, mb.last_verify_s = dataclasses.replace(verdict, finished=()), timings.verify_s
+            mb.last_steps = timings.steps
         report.steps += timings.steps
         report.draft_steps += timings.drafted_steps
         report.last_step_at = time.time()
@@ -612,6 +617,7 @@ class SpecCoordinator:
         waiting.extendleft(reversed(requeue))  # re-run from the prompt: same seed, same output
         for mb in mbs:
             mb.clear()
+            mb.last_steps = 0  # its last call's steps are unknown: a plain run it asked for is not ended
         in_flight.clear()  # stale steps: the micro-batches start afresh
         self._wait_for_actors()
         if restart_ranks:

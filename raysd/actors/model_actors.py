@@ -34,8 +34,8 @@ from raysd.actors.transport import (
     pickled_nbytes,
 )
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
-from raysd.engine.adaptive import KController
-from raysd.engine.batch import Plan, Verdict
+from raysd.engine.adaptive import KController, PlainRun
+from raysd.engine.batch import Plan, Verdict, merge_plain
 from raysd.engine.draft_assist import DraftAssistDrafter, check_draft_assist, profile_assist_costs
 from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import decoder
@@ -156,9 +156,12 @@ class StepCall:
     verdict: Verdict | None = None
     new_rows: tuple[tuple[int, Request], ...] = ()
     feature_draft: bool = False
-    max_steps: int = 1  # a colocated drafter's steps per call (TargetActor.step)
+    max_steps: int = 1  # a colocated drafter's steps per call, or a draft actor's plain run at most (TargetActor.step)
     device_proposal: bool = False  # the draft returns its proposal's device tensors (a GPU-to-GPU channel)
     verify_s: float = 0.0  # with `verdict`: the target's seconds for that step (costs learned as the job runs)
+    # The steps the micro-batch's last call ran, with its verdict or without (the micro-batch emptied
+    # and starts afresh): a plain run's end (Proposed.steps). 0: none, or unknown after a recovery.
+    last_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.verdict is not None:
@@ -265,6 +268,9 @@ class Proposed:
     plan: Plan
     wire: WireProposal | Proposal
     busy_s: float  # inside the draft actor's call (applying the last verdict, admitting, proposing)
+    # Plain decoding (plan.k == 0) for up to this many steps in the target's one call, ending after
+    # the first that retires a row: the draft's controller plans nothing else meanwhile (StepHook.plain_run).
+    steps: int = 1
 
 
 def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
@@ -312,6 +318,7 @@ class DraftActor:
         self.planner = _Planner()
         self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
         self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
+        self.plain_runs: dict[int, PlainRun] = {}  # per micro-batch: the plain run its last proposal asked for
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
@@ -354,24 +361,33 @@ class DraftActor:
         start = time.perf_counter()
         side: DraftSide = self.sides.get(call)
         hook = self.planner.for_spec(side.spec)
+        run = self.plain_runs.pop(call.mb, None)
+        if run is not None and call.last_steps:
+            hook.end_plain_run(run, call.last_steps)
         if call.verdict is not None:
             side.commit(call.verdict)
             hook.observe(call.verdict, self.draft_s.get(call.mb, 0.0), call.verify_s, 0.0)
         if call.new_rows:
             side.add(call.new_rows)
         plan = hook.plan(side)
+        steps = 1
+        if plan.k == 0 and not plan.tree_budget and not side.drafter.needs_features:  # features: every step's
+            run = hook.plain_run(side, call.max_steps)
+            steps = run.steps
+            if steps > 1:
+                self.plain_runs[call.mb] = run
         t0 = time.perf_counter()
         proposal = side.propose(plan)
         self.draft_s[call.mb] = time.perf_counter() - t0
         if call.device_proposal:  # device tensors, GPU to GPU over the step graph's NCCL channel
-            return Proposed(plan, proposal, time.perf_counter() - start)
+            return Proposed(plan, proposal, time.perf_counter() - start, steps)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         if self.measure_bytes:
             t = self.transfer
             t.steps, t.proposal = t.steps + 1, t.proposal + pickled_nbytes(wire)
             t.dense_equivalent += proposal.draft_probs.numel() * 4
             t.sparse_steps += wire.encoding == "sparse"
-        return Proposed(plan, wire, time.perf_counter() - start)
+        return Proposed(plan, wire, time.perf_counter() - start, steps)
 
 
 class TargetActor:
@@ -476,17 +492,22 @@ class TargetActor:
         With a colocated drafter (`proposed` None), one call runs up to `call.max_steps` steps and
         returns after the first that retires a row: until a row finishes no slot frees, so the
         coordinator has nothing to admit, and one call saves the others' round trips. Only the last
-        step can retire rows, so its verdict is the call's; the timings count every step."""
+        step can retire rows, so its verdict is the call's; the timings count every step.
+        A draft actor's plain decoding (`proposed.steps` > 1) runs likewise: its empty proposal
+        stands for each step, and the steps' verdicts go back as one (`merge_plain`) for the draft."""
         start = time.perf_counter()
         if not self.colocated:
-            assert proposed is not None and call.max_steps == 1, "a draft actor proposes each step"
+            assert proposed is not None and proposed.steps <= call.max_steps, "a draft actor proposes each step"
             target: TargetSide = self.sides.get(call)
             if call.new_rows:
                 target.add(call.new_rows)
             hook = ReceivedPlan(target.spec, proposed.plan)
             wire = proposed.wire
             proposal = decode_proposal(wire, self.device) if isinstance(wire, WireProposal) else on_device(wire, self.device)
-            verdict = speculative_step(ReceivedProposal(proposal), target, hook)
+            verdicts = [speculative_step(ReceivedProposal(proposal), target, hook)]
+            while len(verdicts) < proposed.steps and verdicts[-1].keep is None and not verdicts[-1].finished:
+                verdicts.append(speculative_step(ReceivedProposal(proposal), target, hook))
+            verdict = merge_plain(verdicts)
             if verdict.features is not None:  # to the host in one copy: they travel to the draft actor
                 sizes = [len(f) for f in verdict.features]
                 host = tuple(torch.cat(verdict.features).cpu().split(sizes)) if sizes else ()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -87,6 +88,7 @@ class KController:
         self._expected: float | None = None  # what the last confidence-planned step expected
         self._rest = 0  # steps left to plan K = 0 without asking the drafter's confidence
         self._plan_s = 0.0  # the drafter's confidence estimate of the step planned last (its cost)
+        self._settled = False  # the last plan was K = 0 by goodput (`plain_run`)
         # Costs learned from the steps are checked against what the steps realised; a measured
         # profile is taken as given, so its plans are a function of the rows' evidence alone.
         self.guard = _RealisedGuard() if isinstance(self.costs, LearnedStepCosts) else None
@@ -112,6 +114,7 @@ class KController:
         (k = 0: plain decoding), (k, P) the tree of budget P cut at depth k. A tree must beat the
         best chain strictly, so with no tree budget this is (choose_k_from, 0)."""
         alphas = self._alphas(overlap_sums, tested)
+        self._settled = False
         if self._plain_to_time(len(alphas)):
             return 0, 0
         plan = (choose_k(alphas, budgets, self.config, self.costs), 0)
@@ -122,10 +125,50 @@ class KController:
                 for k, goodput in self._tree_goodputs(tree, a, caps, rates):
                     if goodput > best:
                         plan, best = (k, tree.budget), goodput
+        self._settled = plan == (0, 0)  # plain by the rows' evidence and the costs, not by a pause
         if plan[0] and self.guard is not None and not self.guard.allows(len(alphas)):
             plan = (0, 0)
         self.chosen[plan] += 1
         return plan
+
+    def plain_run(self, batch_size: int, cap: int) -> PlainRun:
+        """After this controller planned K = 0 for a step of `batch_size` rows: how many steps, that
+        one first and at most `cap`, it would plan K = 0 for in a row, were it asked before each
+        with nothing new learned (the same rows, no tested drafts); the steps past the first are
+        planned now (counted, and taken from a rest or a pause). A draft actor hands the run to the
+        target, which decodes it in one call and spares the steps between their round trips
+        (raysd.actors.model_actors); `end_plain_run` gives back the steps a retired row cut off.
+
+        The plan of best expected goodput was plain: it stays plain while nothing is learned (a
+        row's room only shrinks, which favours drafting less), so the whole cap; a step the guard
+        refused or a resting step: the pause's or the rest's steps left; a step that times plain
+        decoding (LearnedStepCosts.wants_plain): itself only, since the next plan weighs what it
+        measures. Which steps draft changes how fast the rows go, never what they emit."""
+        extra, b = max(0, cap - 1), LearnedStepCosts.bucket(batch_size)
+        if self._settled:
+            run = PlainRun(1 + extra, "settled", b)
+        elif self._rest > 0:
+            run = PlainRun(1 + min(extra, self._rest), "rest", b)
+            self._rest -= run.steps - 1
+        elif self.guard is not None and self.guard.pause[b] > 0:
+            run = PlainRun(1 + min(extra, self.guard.pause[b]), "pause", b)
+            self.guard.pause[b] -= run.steps - 1
+            self.guard.paused_steps += run.steps - 1
+        else:
+            return PlainRun(1, "step", b)
+        self.chosen[(0, 0)] += run.steps - 1
+        return run
+
+    def end_plain_run(self, run: PlainRun, ran: int) -> None:
+        """The run's steps that did not run (a row retired first) given back, as if never planned."""
+        unused = run.steps - ran
+        assert 0 <= unused < run.steps, f"a run of {run.steps} steps ran {ran}"
+        self.chosen[(0, 0)] -= unused
+        if run.kind == "rest":
+            self._rest += unused
+        elif run.kind == "pause":
+            self.guard.pause[run.bucket] += unused
+            self.guard.paused_steps -= unused
 
     def goodput(self, alphas: Sequence[float], budgets: Sequence[int], k: int, tree_budget: int = 0) -> float:
         """Expected tokens per second of a step: a chain of k drafts, or the tree of `tree_budget`
@@ -175,6 +218,7 @@ class KController:
         c sum_{i < min(k, budget_b)} confidence[b, i] tokens per row, against the step's cost.
         `estimate_s`: the seconds the drafter took for `confidence` (see `resting`)."""
         B = len(budgets)
+        self._settled = False  # a rest (`resting`) follows a plain choice here, not a whole run
         if self._plain_to_time(B):
             return 0
         best_k, expected = self._best_k_by_confidence(confidence, budgets)
@@ -206,6 +250,7 @@ class KController:
         calibration to follow (3 steps apart in the example above)."""
         if self._rest <= 0:
             return False
+        self._settled = False
         self._rest -= 1
         self.chosen[(0, 0)] += 1
         return True
@@ -232,11 +277,14 @@ class KController:
         return (self.confidence_accepted + w) / (self.confidence_expected + w)
 
     def observe_step(self, batch_size: int, width: int, k: int, verify_s: float, draft_s: float,
-                     tokens: int | None = None) -> None:
+                     tokens: int | None = None, steps: int = 1) -> None:
         """A step's own timings, for costs learned as the job runs (a measured profile ignores them):
         `width` tokens per row verified (the pending token and the widest row's drafts), k drafts
         offered (a draft model's forwards), the seconds of each side; `tokens`: the tokens the step
-        emitted over its rows, for the realised-rate guard (`_RealisedGuard`)."""
+        emitted over its rows, for the realised-rate guard (`_RealisedGuard`). `steps` > 1: a run
+        of plain steps (`plain_run`), its seconds and tokens summed over them."""
+        if steps > 1:
+            verify_s, tokens = verify_s / steps, None if tokens is None else tokens / steps
         if isinstance(self.costs, LearnedStepCosts):
             self.costs.observe(batch_size, width, verify_s, draft_s / k if k else None)
         if tokens is not None and self.guard is not None:
@@ -250,6 +298,16 @@ class KController:
         # New arrays, not in place: a controller sent to an actor arrives with read-only arrays.
         self.rank_offered = self.rank_offered + by_rank(offered, len(self.rank_offered))
         self.rank_moved = self.rank_moved + by_rank(moved, len(self.rank_moved))
+
+
+@dataclass(frozen=True)
+class PlainRun:
+    """Plain steps a controller planned in a row (KController.plain_run): how many, why (the plan
+    settled on K = 0, a rest, the guard's pause, or a single step), and the batch-size bucket."""
+
+    steps: int
+    kind: str
+    bucket: int
 
 
 class _RealisedGuard:

@@ -67,6 +67,7 @@ class Verdict:
     # emitted token [B, W], and the top tokens' ids and log-probabilities ([B, W, N] each); else None.
     logprobs: np.ndarray | None = None
     top_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    steps: int = 1  # the plain steps this verdict stands for (`merge_plain`); 1 for any other
 
     @property
     def step_overlap(self) -> float:
@@ -75,6 +76,39 @@ class Verdict:
     @property
     def step_tested(self) -> int:
         return int(self.tested.sum())
+
+
+def merge_plain(verdicts: Sequence[Verdict]) -> Verdict:
+    """One verdict for consecutive plain steps (K = 0) of the same rows, as if one step had emitted
+    them all: each row's tokens in order, the statistics summed, and the last step's finish,
+    retirements and results (a run of plain steps ends at the first that retires a row, so only
+    the last may). What a draft actor applies after a target ran several plain steps in one call
+    (raysd.actors.model_actors.TargetActor)."""
+    assert verdicts, "at least one step"
+    if len(verdicts) == 1:
+        return verdicts[0]
+    *earlier, last = verdicts
+    assert all(v.plan.k == 0 and v.path is None and v.features is None for v in verdicts), "plain steps only"
+    assert all(v.keep is None and not v.finished for v in earlier), "only a run's last step retires rows"
+    assert len({len(v.kept) for v in verdicts}) == 1, "the same rows in every step"
+
+    def cat(arrays):
+        return None if arrays[0] is None else np.concatenate(arrays, axis=1)
+
+    top = None
+    if last.top_logprobs is not None:
+        top = (cat([v.top_logprobs[0] for v in verdicts]), cat([v.top_logprobs[1] for v in verdicts]))
+    return Verdict(
+        plan=last.plan,
+        kept=tuple(tuple(t for row in rows for t in row) for rows in zip(*(v.kept for v in verdicts))),
+        finish=last.finish,
+        offered=sum(v.offered for v in verdicts), drafted=sum(v.drafted for v in verdicts),
+        accepted=sum(v.accepted for v in verdicts), tested=sum(v.tested for v in verdicts),
+        overlap=sum(v.overlap for v in verdicts),
+        keep=last.keep, finished=last.finished,
+        logprobs=cat([v.logprobs for v in verdicts]), top_logprobs=top,
+        steps=sum(v.steps for v in verdicts),
+    )
 
 
 LENGTH, STOP = 1, 2  # finish reasons, as codes
@@ -147,10 +181,13 @@ class Batch:
             setattr(self, name, getattr(self, name)[idx])
         self.stats.keep(order)
 
+    def tokens_left(self) -> np.ndarray:
+        """[B] the tokens each row may still emit (its budget, or the context's end)."""
+        return np.minimum(self.max_new - self.generated, self.max_model_len - self.prompt_len - self.generated)
+
     def room(self) -> np.ndarray:
         """[B] drafts worth verifying: the tokens each row may still emit, minus the bonus."""
-        left = np.minimum(self.max_new - self.generated, self.max_model_len - self.prompt_len - self.generated)
-        room = np.clip(left - 1, 0, self.K)
+        room = np.clip(self.tokens_left() - 1, 0, self.K)
         return np.where(self.generated == 0, 0, room) if self.feature_draft else room
 
     def cut_at_stops(self, tokens: np.ndarray, num_accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -215,8 +252,9 @@ class Batch:
                     n = self.requests[b].params.top_logprobs
                     top += [list(zip(ids[b, w, :n].tolist(), values[b, w, :n].tolist())) for w in range(len(kept))]
         self.finish = np.where(verdict.finish != 0, verdict.finish, self.finish)
-        self.stats.observe(verdict.offered, verdict.drafted, verdict.accepted, verdict.tested, verdict.overlap,
-                           verdict.branch)
+        for _ in range(verdict.steps):  # a plain run's steps (merge_plain) each count, their counts all 0
+            self.stats.observe(verdict.offered, verdict.drafted, verdict.accepted, verdict.tested, verdict.overlap,
+                               verdict.branch)
 
     def result(self, b: int, acceptance: str, text: str | None = None) -> GenerationResult:
         """Row b's result; `text`: its output cut at a stop string (stop_at_strings), if one ended it."""

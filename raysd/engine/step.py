@@ -25,6 +25,7 @@ import torch
 from raysd.core.draws import step_uniforms
 from raysd.core.sampling import SamplingTensors
 from raysd.core.speculation import SpeculationConfig
+from raysd.engine.adaptive import PlainRun
 from raysd.engine.batch import Batch, Plan, Verdict
 from raysd.engine.drafters import Drafter, Proposal
 from raysd.engine.requests import Request
@@ -76,10 +77,25 @@ class StepHook:
             self.controller.observe_ranks(verdict.rank_offered, verdict.rank_moved)
             width = int(verdict.drafted.max(initial=0)) + 1  # tokens per row the target verified
             self.controller.observe_step(len(verdict.kept), width, verdict.plan.k, verify_s, draft_s,
-                                         tokens=sum(map(len, verdict.kept)))
-        t, drafted = self.timings, verdict.plan.k > 0  # a step with k = 0 drafts nothing: no draft time
+                                         tokens=sum(map(len, verdict.kept)), steps=verdict.steps)
+        t, drafted, n = self.timings, verdict.plan.k > 0, verdict.steps  # k = 0 drafts nothing: no draft time
         t.draft_s, t.verify_s, t.prefill_s = t.draft_s + drafted * draft_s, t.verify_s + verify_s, t.prefill_s + prefill_s
-        t.steps, t.drafted_steps, t.row_steps = t.steps + 1, t.drafted_steps + drafted, t.row_steps + len(verdict.kept)
+        t.steps, t.drafted_steps, t.row_steps = t.steps + n, t.drafted_steps + drafted, t.row_steps + n * len(verdict.kept)
+
+    def plain_run(self, draft: DraftSide, cap: int) -> PlainRun:
+        """After `plan` chose plain decoding (K = 0) for this step: the steps, this one first and at
+        most `cap` and at most the steps until a row's budget or context ends it, to decode
+        plainly before planning again (KController.plain_run; without a controller, every step
+        plans the configured K)."""
+        cap = max(1, min(cap, int(draft.batch.tokens_left().min(initial=cap))))
+        if self.controller is None:
+            return PlainRun(1 if self.spec.num_speculative_tokens else cap, "step", 0)
+        return self.controller.plain_run(len(draft.batch), cap)
+
+    def end_plain_run(self, run: PlainRun, ran: int) -> None:
+        """`ran` steps of the run went by (the target stops after the first that retires a row)."""
+        if self.controller is not None:
+            self.controller.end_plain_run(run, ran)
 
 
 def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, hook: StepHook) -> Verdict:

@@ -332,6 +332,44 @@ def test_colocated_steps_per_call_change_nothing_but_the_calls():
     assert many.report.transfer.steps < one.report.steps / 2
 
 
+def test_a_draft_actors_plain_runs_change_nothing_but_the_calls():
+    """A draft actor whose controller plans K = 0 hands the target a run of plain steps for one
+    call (Proposed.steps, ending after the first step that retires a row): tokens, statistics,
+    steps and the pooled evidence equal one step per call and the single-process engine's,
+    greedy and seeded; the calls are fewer."""
+    from raysd.core.speculation import AdaptiveConfig, StepCosts
+
+    # Drafting pays at the prior's acceptance, not at the random draft's: a few drafting steps, then plain.
+    adaptive = AdaptiveConfig(StepCosts((1, 3), ((1.0, 1.2, 1.4, 1.6, 1.8),) * 2, (0.0, 0.0)), prior_alpha=0.6)
+    prompts = random_prompts(7, seed=12)
+    reqs = requests(prompts[:4], max_new_tokens=28)
+    reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=3 + i, max_new_tokens=24 + i))
+             for i, p in enumerate(prompts[4:])]
+    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), adaptive=adaptive)
+    runs = {}
+    for steps in (1, 8):
+        cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=1, draft_resources=CPU,
+                                target_resources=CPU, max_steps_per_call=steps)
+        with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
+            out = c.generate(reqs)
+            state = c.controller_state()
+            runs[steps] = (out, state["overlap_sum"], state["num_tested_positions"], state["chosen"])
+    engine = SpecEngine(tiny_model("llama", 0), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
+                        EngineConfig(speculation, max_batch_size=3))
+    expected = engine.generate(reqs)
+    (one, *pool_one), (many, *pool_many) = runs[1], runs[8]
+    for out in (one, many):
+        assert _tokens(out.results) == _tokens(expected)
+        assert [r.stats for r in out.results] == [r.stats for r in expected]
+        assert out.report.steps == engine.timings.steps
+        assert 0 < out.report.draft_steps < out.report.steps / 2  # mostly plain
+    for pool in (pool_one, pool_many):
+        assert pool[:2] == [pytest.approx(engine.k_controller.overlap_sum), engine.k_controller.num_tested_positions]
+        assert pool[2] == dict(engine.k_controller.chosen)  # every step planned, in a run or alone
+    assert one.report.transfer.steps == one.report.steps  # calls
+    assert many.report.transfer.steps < one.report.steps / 2
+
+
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
     gpu = ActorResources(num_cpus=1, num_gpus=1)  # this machine has no GPU
     cfg = CoordinatorConfig(draft_resources=gpu, target_resources=gpu, placement_timeout_s=2)

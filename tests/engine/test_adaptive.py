@@ -321,3 +321,34 @@ def test_a_measured_profile_is_not_second_guessed():
     for _ in range(20):
         assert ctl.choose_k_by_confidence(sure, [4] * 4, estimate_s=2.0) == 4
         ctl.observe_step(4, 5, 4, verify_s=1.0, draft_s=0.0, tokens=8)
+
+
+def test_a_plain_run_is_as_long_as_the_controller_would_keep_planning_plain_steps():
+    """KController.plain_run, after a plan of K = 0: the whole cap when plain decoding had the best
+    goodput (nothing new is learned in the run, and the rows' room only shrinks); one step when it
+    timed plain decoding (the next plan weighs it); the pause's steps left when the guard refused."""
+    from raysd.engine.adaptive import FIRST_PAUSE, GUARD_STEPS
+
+    costs = StepCosts((4,), ((1.0, 1.05, 1.1, 1.15, 1.2),), (0.05,))
+    ctl = KController(AdaptiveConfig(costs, prior_alpha=0.05), depth=4)
+    weak = ([0.0] * 4, [0] * 4, [4] * 4)
+    assert ctl.choose_plan_from(*weak) == (0, 0)
+    assert ctl.plain_run(4, 8).steps == 8 and ctl.plain_run(4, 1).steps == 1
+    assert ctl.chosen[(0, 0)] == 1 + 7
+    ctl.end_plain_run(ctl.plain_run(4, 8), ran=3)  # a row retired at the run's third step
+    assert ctl.chosen[(0, 0)] == 1 + 7 + 2
+    assert ctl.choose_plan_from([3.8] * 4, [4] * 4, [4] * 4)[0] > 0  # rows that accept: drafting pays
+    learning = KController(AdaptiveConfig(prior_alpha=0.6), depth=4)  # no profile: the first step times plain decoding
+    assert learning.choose_plan_from(*weak) == (0, 0) and learning.plain_run(4, 8).steps == 1
+    # The guard: costs learned, drafting looks free but realises less than plain decoding's rate
+    # (an estimate too cheap to rest after).
+    chosen, guarded = _guarded_steps(1.0, 0.005, GUARD_STEPS + 2)
+    assert chosen[GUARD_STEPS:] == [0, 0]
+    left = guarded.guard.pause[4]  # refused steps left of the first pause
+    assert 3 < left < FIRST_PAUSE
+    paused = guarded.guard.paused_steps
+    run = guarded.plain_run(4, 4)
+    assert run.steps == 4 and guarded.guard.pause[4] == left - 3 and guarded.guard.paused_steps == paused + 3
+    guarded.end_plain_run(run, ran=2)  # a row retired at its second step: two steps given back
+    assert guarded.guard.pause[4] == left - 1 and guarded.guard.paused_steps == paused + 1
+    assert guarded.plain_run(4, 100).steps == left and guarded.guard.pause[4] == 0

@@ -1,5 +1,7 @@
 """Batch on hand-built verdicts: exact kept tokens, finish reasons and statistics."""
 
+import dataclasses
+
 import numpy as np
 
 from raysd.core.sampling import SamplingParams
@@ -50,3 +52,44 @@ def test_keep_reorders_every_array_and_add_widens_stop_sets():
     b.keep([3, 1])
     assert b.ids == [3, 1] and b.max_new.tolist() == [64, 5] and len(b.stats) == 2
     assert b.stop_ids[0].tolist() == [EOS, 10, 11, 12] and b.stop_ids[1].tolist() == [EOS, -2, -2, -2]
+
+
+def test_plain_steps_merge_into_one_verdict_that_a_batch_applies_as_the_steps():
+    """merge_plain: three plain steps of the same two rows, the last retiring row 0 at EOS, become
+    one verdict; a batch that applies it holds what one that applies the three holds."""
+    import pytest
+
+    from raysd.engine.batch import STOP, merge_plain
+
+    def step(tokens, finish=(0, 0), keep=None, finished=()):
+        zeros = np.zeros(2, dtype=np.int64)
+        logprobs = -np.array(tokens, dtype=np.float64)[:, None]  # [B, 1]: one token per row a step
+        top = (np.array(tokens, dtype=np.int64)[:, None, None], logprobs[:, :, None])  # [B, 1, 1]
+        return Verdict(Plan(0), tuple((t,) for t in tokens), np.array(finish), zeros, zeros, zeros, zeros,
+                       np.zeros(2), keep, finished, logprobs=logprobs, top_logprobs=top)
+
+    steps = [step([7, 8]), step([9, 3]), step([EOS, 4], finish=(STOP, 0), keep=(1,), finished=((0, "row 0"),))]
+    merged = merge_plain(steps)
+    assert merged.kept == ((7, 9, EOS), (8, 3, 4)) and merged.steps == 3
+    assert merged.finish.tolist() == [STOP, 0] and merged.keep == (1,) and merged.finished == ((0, "row 0"),)
+    assert merged.logprobs.tolist() == [[-7, -9, -EOS], [-8, -3, -4]]
+    assert merged.top_logprobs[0][:, :, 0].tolist() == [[7, 9, EOS], [8, 3, 4]]
+    assert merge_plain(steps[:1]) is steps[0]
+
+    def applied(verdicts):
+        b = batch(2, 100)
+        b.add([(i, Request(i, [5], SamplingParams(max_new_tokens=10, logprobs=True, top_logprobs=1))) for i in range(2)])
+        for v in verdicts:
+            b.accept(v)
+        return b
+
+    one, many = applied([merged]), applied(steps)
+    assert one.outputs == many.outputs == [[7, 9, EOS], [8, 3, 4]] and one.generated.tolist() == [3, 3]
+    assert one.logprobs == many.logprobs and one.top_logprobs == many.top_logprobs
+    assert one.finish.tolist() == many.finish.tolist() == [STOP, 0]
+    assert one.stats.row(1) == many.stats.row(1) and one.stats.row(1).num_spec_steps == 3
+    with pytest.raises(AssertionError, match="last step retires"):
+        merge_plain([steps[2], steps[0]])
+    drafted = dataclasses.replace(steps[0], plan=Plan(2))
+    with pytest.raises(AssertionError, match="plain steps only"):
+        merge_plain([drafted, steps[1]])
