@@ -7,7 +7,7 @@
 #                       the SmolLM2-135M-Instruct GGUF (98 MB) in three pieces: p0 travels with .site
 # Then three calls, back to back (a warm machine keeps /tmp, not what an earlier call carried):
 #   carry [.site, .smol-a]  bash scripts/gpu_session.sh keep env site tests bench
-#   carry [.smol-b]         bash scripts/gpu_session.sh keep actors e2e
+#   carry [.smol-b]         bash scripts/gpu_session.sh keep actors e2e-graphs
 #   carry [.smol-c]         bash scripts/gpu_session.sh keep weights smol smolbench
 set -euo pipefail
 printf "/.whl/\n/.site/\n/.smol-a/\n/.smol-b/\n/.smol-c/\n" >>.git/info/exclude

@@ -16,7 +16,7 @@
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with a 6-layer self-draft, real acceptance
 #
-# Each stage runs under its own time limit (LIMIT_<STAGE> seconds overrides it); its log goes to
+# Each stage runs under its own time limit (LIMIT_<STAGE> seconds overrides it, a dash written _); its log goes to
 # $OUT/<stage>.log, results beside it; the end of each log is printed as the stage ends.
 set -u
 out=${OUT:-.gpu-out}
@@ -29,7 +29,7 @@ export RAYSD_SMOLLM2_GGUF=${RAYSD_SMOLLM2_GGUF:-/tmp/smol/SmolLM2-135M-Instruct.
 stage() {  # stage NAME DEFAULT_LIMIT CMD...
     local name=$1 limit=$2 t0=$SECONDS rc var
     shift 2
-    var="LIMIT_${name^^}"
+    var="LIMIT_${name^^}"; var=${var//-/_}
     limit=${!var:-$limit}
     echo "=== $name (limit ${limit}s)"
     timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -61,19 +61,19 @@ for s in "$@"; do
         cat "$kept"/p0 "$kept"/p1 "$kept"/p2 >"$RAYSD_SMOLLM2_GGUF" && sha256sum "$RAYSD_SMOLLM2_GGUF"
         ;;
     tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py ;;
-    actors) stage actors 90 "${PYTEST[@]}" tests/gpu/test_gpu_actors.py ;;
+    actors) stage actors 300 "${PYTEST[@]}" --timeout-method=thread tests/gpu/test_gpu_actors.py ;;
     smol) stage smol 90 "${PYTEST[@]}" tests/gpu/test_gpu_bf16.py -k smollm2 ;;
     bench)
-        stage bench 300 python3 -m bench run gpu --count-syncs --runners static graph dynamic --reps 10 --warmup 3 \
+        stage bench 300 python3 -m bench run gpu --count-syncs --runners static graph --reps 10 --warmup 3 \
             --new-tokens 64 --out "$out/gpu_8b_1b.json"
         ;;
     e2e)
-        stage e2e 120 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \
-            --prompts 64 --max-new-tokens 64 --out "$out/fast_step_gpu.json"
+        stage e2e 200 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \
+            --prompts 64 --max-new-tokens 64 --repeats 1 --out "$out/fast_step_gpu.json"
         ;;
     e2e-graphs)
-        stage e2e-graphs 120 python3 -m bench run fast_step --device cuda --cuda-graphs --batch-sizes 32 \
-            --drafters none,draft:4 --prompts 64 --max-new-tokens 64 --out "$out/fast_step_gpu_graphs.json"
+        stage e2e-graphs 200 python3 -m bench run fast_step --device cuda --cuda-graphs --batch-sizes 32 \
+            --drafters none,draft:4 --prompts 64 --max-new-tokens 64 --repeats 1 --out "$out/fast_step_gpu_graphs.json"
         ;;
     smolbench)
         stage smolbench 80 python3 -m bench run gpu --pair smollm2 --rates real --batches 1 8 32 --runners static graph \

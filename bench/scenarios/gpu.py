@@ -11,7 +11,8 @@ then B requests of P prompt tokens and N new tokens (greedy, EOS ignored), as va
                        accepted with probability R whatever the models say), or `real` (the exact test)
     ray mbM a=R, B=b   (--ray) the Ray coordinator, draft and target actors sharing the GPU
                        (num_gpus 0.5 each), M micro-batches of ceil(B / M) rows
-Each timed run generates twice, N and 1 new tokens: tokens/s is bench.measure's (the N-token call,
+Each variant keeps one engine across its runs (its CUDA graphs captured in the warm-up are replayed
+after), as a job's replica does. Each timed run generates twice, N and 1 new tokens: tokens/s is bench.measure's (the N-token call,
 prefill included); `decode_tokens_per_s` = (tokens(N) - tokens(1)) / (wall(N) - wall(1)), prefill
 cancelled. The bounds (raysd.core.theory, E = expected_tokens_per_step(a, K) or the measured tokens
 per pass for `real`):
@@ -126,19 +127,28 @@ def decode_run(generate, make) -> dict:
     return {**full, "decode_tokens_per_s": decode_tokens_per_s(full, one), "prefill_and_first_step_s": one["wall_s"]}
 
 
-def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False) -> dict:
+def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False, engines: dict | None = None) -> dict:
+    """One SpecEngine.generate. With `engines`, the variant's engine is made on its first run and kept
+    for the next (its warm-up's, then the timed ones), as a job's replica keeps one: the CUDA graphs it
+    captured (per shape, the second time the shape is seen) are replayed, not captured again."""
     from raysd.engine.engine import EngineConfig, SpecEngine
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the synthetic-acceptance warning: the variant says so
-        engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs))
+    key = (k, batch, rate, graphs)
+    engine = None if engines is None else engines.get(key)
+    if engine is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the synthetic-acceptance warning: the variant says so
+            engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs))
+        if engines is not None:
+            engines[key] = engine
+    before = dataclasses.replace(engine.timings)
     sync(device)
     start = time.perf_counter()
     results = engine.generate(reqs)
     sync(device)
     t = engine.timings
     return figures(Counts.of_results(results), time.perf_counter() - start, timed="SpecEngine.generate",
-                   draft_s=t.draft_s, verify_s=t.verify_s)
+                   draft_s=t.draft_s - before.draft_s, verify_s=t.verify_s - before.verify_s)
 
 
 def ray_variants(a, target_factory, draft_factory, V, prompts, baselines: dict, log) -> tuple[list[Variant], dict]:
@@ -192,6 +202,17 @@ def run(a, log=print) -> Outcome:
     if ceiling:
         log(f"ceilings: bf16 matmul {ceiling['bf16_tflops']:.0f} TFLOP/s, copy {ceiling['copy_tb_s']:.2f} TB/s")
     steps, syncs, variants, baselines, errors = {}, {}, [], {}, {}
+    engines = {}  # one engine per variant, kept across its runs (engine_generate)
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[a.cuda_graphs]
+    if True in graph_modes:  # a first graphed run on this device: if capture fails, the eager figures still come
+        try:
+            smoke = requests(2, a.prompt_len, 8, V, prompts)
+            engine_generate(target, lambda: NoDrafter(V, device), 0, 2, "real", device, smoke, graphs=True)
+            engine_generate(target, lambda: DraftModelDrafter(draft, V, cuda_graphs=True), K, 2, "real", device, smoke, graphs=True)
+        except Exception as e:
+            errors["cuda_graphs"] = f"{type(e).__name__}: {e}"[:500]
+            log(f"CUDA graphs FAILED, graphed variants left out: {errors['cuda_graphs']}")
+            graph_modes = [g for g in graph_modes if not g] or [False]
     for B in a.batches:
         steps[B] = {}
         for kind in runners:
@@ -209,16 +230,17 @@ def run(a, log=print) -> Outcome:
             syncs[B] = count_syncs(target, draft, V, K, B, lambda n, B=B: requests(B, a.prompt_len, n, V, prompts), device)
         make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
         baselines[B] = f"AR, B={B}"
-        for graphs in {"off": [False], "on": [True], "both": [False, True]}[a.cuda_graphs]:
+        for graphs in graph_modes:
             tag = " graphs" if graphs else ""
             ar_name = f"AR{tag}, B={B}"
-            ar = functools.partial(engine_generate, target, lambda: NoDrafter(V, device), 0, B, "real", device, graphs=graphs)
+            ar = functools.partial(engine_generate, target, lambda: NoDrafter(V, device), 0, B, "real", device, graphs=graphs,
+                                   engines=engines)
             variants.append(Variant(ar_name, {"side": "engine", "batch": B, "k": 0, "graphs": graphs},
                                     functools.partial(decode_run, ar, make), None if ar_name == baselines[B] else baselines[B],
                                     functools.partial(ar, make(4))))
             for rate in a.rates:
                 sd = functools.partial(engine_generate, target, lambda g=graphs: DraftModelDrafter(draft, V, cuda_graphs=g), K, B,
-                                       rate, device, graphs=graphs)
+                                       rate, device, graphs=graphs, engines=engines)
                 variants.append(Variant(f"raysd{tag} a={rate}, B={B}", {"side": "engine", "batch": B, "k": K, "rate": rate,
                                                                          "graphs": graphs},
                                         functools.partial(decode_run, sd, make), ar_name, functools.partial(sd, make(4))))

@@ -13,8 +13,10 @@ cached key/values, which are the same.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from raysd.core.device import host_to_device
@@ -77,16 +79,22 @@ class CacheRows:
             [B, n, V] logits, left-aligned per row (see DynamicRunner.forward).
         """
         B, E = extra.shape
-        plen = host_to_device([len(p) for p in self.pending], torch.int64, self.device)  # [B]
-        P = max((len(p) for p in self.pending), default=0)
+        lengths = [len(p) for p in self.pending]
+        P = max(lengths, default=0)
         pend, _ = _left_aligned(self.pending, P, self.device)  # [B, P]
-        combined = torch.cat([pend, extra], dim=1)  # [B, P + E]
-        total = plen + extra_counts  # [B] real tokens per row
-        W = P + E
-        offset = torch.arange(W, device=self.device)[None, :] - (W - total)[:, None]  # [B, W] index into the row
-        source = torch.where(offset < plen[:, None], offset, P + offset - plen[:, None]).clamp(0, max(W - 1, 0))
-        valid = offset >= 0
-        ids = torch.where(valid, combined.gather(1, source), 0)
+        full = P + E > 0 and min(lengths, default=0) == P and (E == 0 or (host_counts is not None and min(host_counts) == E))
+        if full:  # every row feeds P pending and E extra tokens (a decode or draft step): nothing to align
+            ids = torch.cat([pend, extra], dim=1) if P and E else (pend if P else extra)  # [B, P + E]
+            valid = torch.ones(B, P + E, dtype=torch.bool, device=self.device)
+        else:  # right-align each row's pending tokens and its real extra tokens
+            plen = host_to_device(lengths, torch.int64, self.device)  # [B]
+            combined = torch.cat([pend, extra], dim=1)  # [B, P + E]
+            total = plen + extra_counts  # [B] real tokens per row
+            W = P + E
+            offset = torch.arange(W, device=self.device)[None, :] - (W - total)[:, None]  # [B, W] index into the row
+            source = torch.where(offset < plen[:, None], offset, P + offset - plen[:, None]).clamp(0, max(W - 1, 0))
+            valid = offset >= 0
+            ids = torch.where(valid, combined.gather(1, source), 0)
         logits = self.runner.forward(ids, valid, num_logits, max_logits)
         self.cached = [c + len(p) for c, p in zip(self.cached, self.pending)]
         self.pending = [[] for _ in range(B)]
@@ -184,10 +192,12 @@ class CacheRows:
 
 
 def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, row in enumerate(rows):
-        ids[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        valid[b, : len(row)] = True
-    return host_to_device(ids, torch.int64, device), host_to_device(valid, torch.bool, device)
+    """[B, width] ids (0-padded on the right) and their validity, built on the host in numpy (no
+    tensor operation per row) and copied to `device` once each."""
+    counts = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    valid = np.arange(width)[None, :] < counts[:, None]  # [B, width]
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    ids[valid] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(counts.sum()))
+    return (host_to_device(torch.from_numpy(ids), torch.int64, device),
+            host_to_device(torch.from_numpy(valid), torch.bool, device))
 

@@ -192,7 +192,10 @@ class DraftSide:
             self._sampling = SamplingTensors.from_params(self.batch.params, self.device)
         tree = plan.tree(self.spec.num_speculative_tokens)
         n = tree.num_nodes if tree is not None else self.spec.num_speculative_tokens
-        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, n, self.device)[:, :n]  # [B, n]
+        if self._sampling.all_greedy:  # every draft is an argmax, whatever its uniform: draw none
+            uniforms = torch.zeros(len(self.batch), n, dtype=torch.float64, device=self.device)  # [B, n]
+        else:
+            uniforms = step_uniforms(self.batch.seeds, self.batch.generated, n, self.device)[:, :n]  # [B, n]
         if tree is not None:
             return self.drafter.propose_tree(tree, offered.tolist(), self._sampling, uniforms)
         return self.drafter.propose(offered.tolist(), self._sampling, uniforms)

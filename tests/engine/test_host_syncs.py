@@ -107,3 +107,44 @@ def test_the_counter_sees_reads():
         bool((x > 2).any())
         x.tolist()
     assert reads.count == 3, reads.names
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(kind: str, batch: int, temperature: float) -> list[int]:
+    """Tensor operations of each engine step of `batch` rows, the model's forwards included."""
+    target = tiny_model("llama", seed=0)
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    config = EngineConfig(speculation, max_batch_size=batch, linear_kernels="stock")  # as on a GPU: no row buckets
+    engine = SpecEngine(target, drafter_of(kind, target), config)
+    per_step, step = [], engine.step
+
+    def counted_step():
+        with OpCount() as ops:
+            outcome = step()
+        per_step.append(ops.count)
+        return outcome
+
+    engine.step = counted_step
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=temperature, max_new_tokens=8, seed=3, ignore_eos=True)
+    engine.generate([Request(i, torch.randint(3, VOCAB, (6,), generator=g).tolist(), params) for i in range(batch)])
+    return per_step
+
+
+@pytest.mark.parametrize("kind", ["model", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_steps_tensor_operations_do_not_grow_with_the_batch(kind, temperature):
+    """No per-row tensor work in a step: on a GPU each operation is a kernel launch or a host
+    tensor op (~5-10 us of host time), so work per row would cost B launches a step. Every row has
+    the same prompt length and tokens to make, so the steps after the first (the prefill) are alike."""
+    two, eight = ops_per_step(kind, 2, temperature), ops_per_step(kind, 8, temperature)
+    assert len(two) == len(eight) and two[1:] == eight[1:], (two, eight)
