@@ -6,14 +6,17 @@ eager PyTorch spends the step launching kernels. gpt-fast and vLLM capture the d
 batch size and replay it; this does the same for the static runner, whose buffers stay in place
 (rollback moves lengths only), so a captured step stays valid until the buffers grow.
 
-A graph has fixed shapes, so it is keyed by (rows B, chunk width T, logits kept n, attended
-columns W). W is rounded up to a power of two (at least MIN_ATTEND): the eager path rounds to 64
-columns, which would capture a new graph every 64 tokens; attending more columns costs little (the
-extra columns are masked out) next to reading the weights. A key is captured the `capture_after`-th
-time it is seen (a batch's tail, where rows finish one by one and B changes every few steps, stays
-eager rather than paying a capture per size), and at most `max_graphs` are kept, least recently
-used first out, all in one memory pool (a replay's logits are copied out before the next replay).
-Buffer growth (doubling) drops every graph. Batch sizes are not padded to buckets.
+A graph has fixed shapes, so it is keyed by (rows, chunk width T, logits kept n, attended
+columns W). Rows are padded up to a bucket (`row_bucket`: 1, 2, 4, then multiples of 8, vLLM's
+capture sizes) within the buffers' slots: a batch's tail, where rows finish one by one, replays the
+next bucket's graph instead of running eager or capturing a graph per size. A padding row is a free
+slot fed an all-padding chunk: it writes only the padding column and its length does not move
+(StaticRunner._device_step), and its logits are dropped; in a memory-bound step it costs little. W
+is rounded up to a power of two (at least MIN_ATTEND): the eager path rounds to 64 columns, which
+would capture a new graph every 64 tokens; attending more columns costs little (the extra columns are
+masked out) next to reading the weights. A key is captured the `capture_after`-th time it is seen,
+and at most `max_graphs` are kept, least recently used first out, all in one memory pool (a replay's
+logits are copied out before the next replay). Buffer growth (doubling) drops every graph.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from typing import Callable
 import torch
 
 MIN_ATTEND = 256  # the narrowest attended width captured
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """The rows a graph for `rows` real rows is captured with: 1, 2, 4, then the next multiple of 8,
+    within the buffers' `slots` (never fewer than `rows`)."""
+    bucket = rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+    return max(rows, min(bucket, slots))
 
 
 def buffer_pointers(runner) -> list[int]:
@@ -42,8 +52,9 @@ def attend_bucket(columns: int, max_columns: int) -> int:
 
 
 class GraphedSteps:
-    """A StaticRunner's captured forwards, by shape. `capture(runner, width, max_logits, attend, pool)`
-    builds one (CudaGraphStep on CUDA; tests pass an eager stand-in with the same contract)."""
+    """A StaticRunner's captured forwards, by shape. `capture(runner, rows, width, max_logits, attend,
+    pool)` builds one over the slots 0 .. rows - 1 (CudaGraphStep on CUDA; tests pass an eager stand-in
+    with the same contract)."""
 
     def __init__(self, runner, capture: Callable, max_graphs: int = 32, capture_after: int = 2, pool=None):
         assert max_graphs >= 1 and capture_after >= 1
@@ -64,7 +75,8 @@ class GraphedSteps:
         if self.graphs and buffer_pointers(r) != self._pointers:  # the eager path grew the buffers
             self.graphs.clear()
         attend = attend_bucket(r._bound + T, r.max_cache_len)
-        key = (B, T, n, attend)
+        rows = row_bucket(B, r.cache.capacity[0])
+        key = (rows, T, n, attend)
         step = self.graphs.get(key)
         if step is None:
             self.seen[key] = self.seen.get(key, 0) + 1
@@ -73,11 +85,16 @@ class GraphedSteps:
             step = self._capture(key)
         self.graphs.move_to_end(key)
         self.replays += 1
-        return step(chunks, chunk_valid, num_logits)
+        if rows > B:  # padding rows: free slots fed nothing (all-padding chunks), their logits dropped
+            pad = rows - B
+            chunks = torch.cat([chunks, chunks.new_zeros(pad, T)])  # [rows, T]
+            chunk_valid = torch.cat([chunk_valid, chunk_valid.new_zeros(pad, T)])  # [rows, T]
+            num_logits = torch.cat([num_logits, num_logits.new_ones(pad)])  # [rows]
+        return step(chunks, chunk_valid, num_logits)[:B]
 
     def _capture(self, key: tuple):
-        B, T, n, attend = key
-        step = self.capture(self.runner, T, n, attend, self.pool)  # may grow the buffers first
+        rows, T, n, attend = key
+        step = self.capture(self.runner, rows, T, n, attend, self.pool)  # may grow the buffers first
         pointers = buffer_pointers(self.runner)
         if pointers != self._pointers:  # the buffers moved: every earlier graph wrote the old ones
             self.graphs.clear()

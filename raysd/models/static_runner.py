@@ -420,29 +420,32 @@ class StaticRunner:
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
-def cuda_graph_capture(runner: StaticRunner, width: int, max_logits: int, attend: int, pool) -> "CudaGraphStep":
+def cuda_graph_capture(runner: StaticRunner, rows: int, width: int, max_logits: int, attend: int, pool) -> "CudaGraphStep":
     """GraphedSteps' capture on CUDA."""
-    return CudaGraphStep(runner, width, max_logits, attend=attend, pool=pool)
+    return CudaGraphStep(runner, width, max_logits, attend=attend, pool=pool, rows=rows)
 
 
 class CudaGraphStep:
-    """One StaticRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph.
+    """One StaticRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph, over the
+    slots 0 .. B - 1 (`rows`, at least the runner's rows, within its slots; the runner's rows by default).
 
-    Call it like `runner.forward(chunks, chunk_valid, num_logits)`: the inputs are copied into
-    static tensors, the graph is replayed, and the logits are returned (a copy). Valid while
-    the runner's buffers stay where they were at capture and its row count is B: rollback,
-    select and add_rows work in place; only buffer growth (doubling) moves them, after which
-    a new capture is needed. The attended width is fixed at capture (`width`): the step
-    refuses to run once a row outgrows it. CUDA only.
+    Call it like `runner.forward(chunks, chunk_valid, num_logits)` with B rows (the runner's, then
+    all-padding rows for its free slots: GraphedSteps pads): the inputs are copied into static
+    tensors, the graph is replayed, and the logits are returned (a copy). Valid while the runner's
+    buffers stay where they were at capture and it has at most B rows: rollback, select and add_rows
+    work in place; only buffer growth (doubling) moves them, after which a new capture is needed. The
+    attended width is fixed at capture (`width`): the step refuses to run once a row outgrows it. CUDA only.
     """
 
     def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2,
-                 pool=None):
+                 pool=None, rows: int | None = None):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if not runner._layers():
             raise ValueError("run one forward (the prefill) before capturing a step")
-        B, dev = runner.num_rows, runner.device
+        B, dev = rows or runner.num_rows, runner.device
+        if not runner.num_rows <= B <= runner.cache.capacity[0]:
+            raise ValueError(f"a step over {B} rows needs {runner.num_rows} <= rows <= the {runner.cache.capacity[0]} slots")
         self.runner, self.T, self.n = runner, width, max_logits
         self.keep = width if width <= SMALL_CHUNK else max_logits
         self.attend = attend or runner.max_cache_len
@@ -453,18 +456,19 @@ class CudaGraphStep:
         self.rows = slice(0, B)
         self._pointers = buffer_pointers(self.runner)
         with torch.inference_mode():
-            saved = runner.lengths.clone()
+            runner._lengths[runner.num_rows : B] = 0  # free slots, whose stale lengths could put the warm-up's writes past the buffer
+            saved = runner._lengths[:B].clone()  # the padding slots' too: the warm-up feeds every row
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # warm-up (allocator, cuBLAS handles) outside the graph
                 for _ in range(warmup):
                     self._step()
-                    runner.lengths.copy_(saved)
+                    runner._lengths[:B].copy_(saved)
             torch.cuda.current_stream(dev).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):  # a pool shared by a runner's graphs (GraphedSteps)
                 self.out = self._step()
-            runner.lengths.copy_(saved)  # capture ran no kernels, but be explicit
+            runner._lengths[:B].copy_(saved)  # capture ran no kernels, but be explicit
 
     def _step(self) -> torch.Tensor:
         r = self.runner
@@ -477,7 +481,7 @@ class CudaGraphStep:
     def __call__(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
         r = self.runner
         assert chunks.shape == self.ids.shape, (chunks.shape, self.ids.shape)
-        if r.num_rows != self.ids.shape[0]:
+        if r.num_rows > self.ids.shape[0]:
             raise RuntimeError(f"the runner has {r.num_rows} rows, the step was captured for {self.ids.shape[0]}: capture a new step")
         if r._bound + self.T > self.attend:
             raise RuntimeError(f"rows outgrew the captured width {self.attend}: capture a wider step")

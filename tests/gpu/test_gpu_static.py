@@ -174,6 +174,24 @@ def test_engine_with_cuda_graphs_matches_eager(dtype):
 
 
 @needs_cuda
+def test_a_batchs_tail_replays_padded_cuda_graphs():
+    """Eight rows end one by one (each its own token budget): the rows left replay the graph of the
+    next row bucket (8, 4, 2, 1), free slots fed all-padding chunks (raysd.models.cuda_graphs). fp32
+    (TF32 off): every row's tokens equal HF's greedy exactly."""
+    target = tiny_on_device("llama", dtype=torch.float32)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.float32)
+    ps = make_prompts(lengths=(5, 9, 3, 7, 4, 6, 8, 2))
+    budgets = [4 + 3 * i for i in range(8)]
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static", cuda_graphs=True),
+                        EngineConfig(speculation, max_batch_size=8, runner="static", cuda_graphs=True))
+    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(ps, budgets))])
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, n) for p, n in zip(ps, budgets)]
+    keys = engine.target.rows.runner.graphs.graphs
+    assert keys and {rows for rows, *_ in keys} <= {1, 2, 4, 8}
+
+
+@needs_cuda
 @pytest.mark.parametrize("k", [0, 4])
 def test_an_engine_step_synchronises_once(k):
     """The step's read-back is its one host synchronisation (counted on the CPU in

@@ -21,17 +21,26 @@ from tests.engine.test_equivalence import prompts as make_prompts
 
 
 class EagerStep:
-    """CudaGraphStep's contract without CUDA: the step at a fixed attended width, run eagerly."""
+    """CudaGraphStep's contract without CUDA: the step over `rows` slots (the runner's rows, then free
+    slots fed all-padding chunks) at a fixed attended width, run eagerly."""
 
-    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int, pool=None):
+    captured_rows: list[int] = []  # every capture's rows, for the tests to read
+    padded_replays = 0
+
+    def __init__(self, runner: StaticRunner, rows: int, width: int, max_logits: int, attend: int, pool=None):
+        assert runner.num_rows <= rows <= runner.cache.capacity[0]
         runner._reserve(attend)
-        self.runner, self.B, self.T, self.n, self.attend = runner, runner.num_rows, width, max_logits, attend
+        runner._lengths[runner.num_rows : rows] = 0  # as CudaGraphStep: free slots start empty
+        self.runner, self.B, self.T, self.n, self.attend = runner, rows, width, max_logits, attend
         self.keep = width if width <= SMALL_CHUNK else max_logits
         self.pointers = buffer_pointers(runner)
+        EagerStep.captured_rows.append(rows)
 
     def __call__(self, chunks, chunk_valid, num_logits):
         r = self.runner
-        assert chunks.shape == (self.B, self.T) and r.num_rows == self.B and r._bound + self.T <= self.attend
+        assert chunks.shape == (self.B, self.T) and r.num_rows <= self.B and r._bound + self.T <= self.attend
+        assert not chunk_valid[r.num_rows :].any(), "a padding row is fed nothing"
+        EagerStep.padded_replays += r.num_rows < self.B
         assert buffer_pointers(r) == self.pointers, "replayed over moved buffers"
         rows = slice(0, self.B)
         lengths = r._lengths[rows]
@@ -133,3 +142,29 @@ def test_cuda_graphs_refused_where_they_cannot_run():
         make_runner(tiny_model("gpt2", 0), "auto", cuda_graphs=True)
     with pytest.raises(ValueError, match="static runner"):
         make_runner(tiny_model("llama", 0), "dynamic", cuda_graphs=True)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_batchs_tail_replays_the_next_buckets_graph(k):
+    """Eight rows end one by one (each its own token budget): the rows left are padded with free
+    slots up to a bucket (8, 4, 2, 1), so the tail replays a few graphs, not one capture per batch
+    size or eager steps; every row's tokens are the eager engine's."""
+    target, draft = tiny_model("llama", 0), tiny_model("llama", 3, layers=1)
+    ps = make_prompts(lengths=(5, 9, 3, 7, 4, 6, 8, 2))
+    reqs = [Request(i, p, SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+
+    def run(graphs):
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"),
+                            EngineConfig(SpeculationConfig(num_speculative_tokens=k), max_batch_size=8, runner="static"))
+        if graphs:
+            graphed(engine.target.rows.runner, capture_after=1)
+            graphed(engine.draft.drafter.rows.runner, capture_after=1)
+        return [r.token_ids for r in engine.generate(reqs)], engine
+
+    eager, _ = run(False)
+    EagerStep.captured_rows, EagerStep.padded_replays = [], 0
+    replayed, engine = run(True)
+    assert replayed == eager and [len(t) for t in replayed] == [4 + 3 * i for i in range(8)]
+    assert set(EagerStep.captured_rows) <= {1, 2, 4, 8} and EagerStep.padded_replays > 0
+    steps = engine.target.rows.runner.graphs
+    assert {key[0] for key in steps.graphs} <= {1, 2, 4, 8}
