@@ -184,7 +184,7 @@ def check_job(cfg: GenerateConfig) -> CheckedJob:
 
 def _init_ray(cfg: GenerateConfig, gpus: dict) -> bool:
     """Connect to --address, to the cluster of a submitted job, or start a local Ray (with `gpus`,
-    `_local_gpus`). True if we started it."""
+    `_local_gpus`). True if this job connected or started it (and so shuts it down)."""
     import ray
 
     from raysd.actors.local import LocalRayNotLoopback, start_local_ray
@@ -478,7 +478,8 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     finally:
         if progress is not None:
             progress.close()
-        _release(stats, job_key)
+        if not starts_local:  # a local Ray this job started ends with it, and everything it holds
+            _release(stats, job_key)
         if we_started_ray:
             ray.shutdown()
     clock.mark("shutdown")
@@ -513,8 +514,9 @@ def live_totals(stats) -> dict:
 
 
 def _release(stats, job_key: str | None) -> None:
-    """End of job: the stats actor and the job's records in the GCS. Best effort: the job's outcome
-    is decided."""
+    """End of a job on a Ray that outlives it (a cluster, or a Ray this process had started): the
+    stats actor, the model actors, their placement groups and the job's records in the GCS. A local
+    Ray the job started goes with its shutdown. Best effort: the job's outcome is decided."""
     import ray
 
     from raysd.jobs.pipeline import release_job

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -41,12 +41,13 @@ import torch
 from torch import nn
 
 from raysd.models.compat import cache_keyword
+from raysd.models.draft_files import EAGLE_FORMAT, EagleFileConfig, is_eagle_dir, read_eagle_config  # noqa: F401 - re-exported
 from raysd.models.layer_draft import TORCH_DTYPES, RestrictedHead
 from raysd.models.names import EAGLE_CONFIG_FILE
 
 CONFIG_FILE = EAGLE_CONFIG_FILE
 WEIGHTS_FILE = "eagle.safetensors"
-FORMAT = "raysd-eagle-draft/1"
+FORMAT = EAGLE_FORMAT
 _LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias",
                "rope_parameters", "rope_theta", "rope_scaling", "attention_dropout")
@@ -231,32 +232,6 @@ def crop_cache(cache, length: int) -> None:
 
 
 # ---------------------------------------------------------------------------- files
-
-
-@dataclass
-class EagleFileConfig:
-    """What `raysd_eagle.json` holds."""
-
-    target: str  # the target's name as load_model takes it
-    architecture: str  # the target's model class name
-    hidden_size: int
-    layer_config: dict  # the decoder layer's LlamaConfig (to_dict)
-    head_vocab: int | None = None  # FR-Spec head size; None: the full vocabulary
-    feature: str = "last_layer_pre_norm"  # what the features are: the target's last layer output, before its final norm
-    dtype: str = "bfloat16"
-    format: str = FORMAT
-    training: dict = field(default_factory=dict)
-
-
-def is_eagle_dir(path: str | Path) -> bool:
-    return (Path(path).expanduser() / CONFIG_FILE).is_file()
-
-
-def read_eagle_config(path: str | Path) -> EagleFileConfig:
-    data = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a raysd EAGLE draft (format {data.get('format')!r})")
-    return EagleFileConfig(**data)
 
 
 def save_eagle(draft: EagleDraft, path: str | Path, target_name: str, architecture: str, dtype: str = "bfloat16",

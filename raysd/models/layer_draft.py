@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from raysd.models.draft_files import DRAFT_FORMAT, DraftFileConfig, is_draft_dir, read_draft_config  # noqa: F401 - re-exported
 from raysd.models.names import DRAFT_CONFIG_FILE, DTYPE_NAMES
 
 CONFIG_FILE = DRAFT_CONFIG_FILE
 WEIGHTS_FILE = "draft.safetensors"
-FORMAT = "raysd-distilled-draft/1"
+FORMAT = DRAFT_FORMAT
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # a dtype name (ModelSpec.dtype) -> torch dtype
 
 
@@ -167,20 +168,6 @@ def set_head_vocab(draft, head_ids) -> None:
     draft.set_output_embeddings(RestrictedHead(weight, torch.as_tensor(head_ids)))
 
 
-@dataclass
-class DraftFileConfig:
-    """What `raysd_draft.json` holds."""
-
-    target: str  # the target's name as load_model takes it
-    num_layers: int
-    init_layers: list[int]
-    architecture: str  # the target's model class name
-    head_vocab: int | None = None  # scored tokens of an FR-Spec head; None: the full vocabulary
-    dtype: str = "bfloat16"  # dtype of the saved tensors
-    format: str = FORMAT
-    training: dict = field(default_factory=dict)  # how it was trained: data, loss, steps, results
-
-
 def save_draft(draft, path: str | Path, target_name: str, dtype: str = "bfloat16", training: dict | None = None,
                init_layers: Sequence[int] | None = None) -> Path:
     """Write the draft's own tensors (safetensors) and its config (json) into directory `path`."""
@@ -203,17 +190,6 @@ def save_draft(draft, path: str | Path, target_name: str, dtype: str = "bfloat16
     )
     (path / CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     return path
-
-
-def is_draft_dir(path: str | Path) -> bool:
-    return (Path(path).expanduser() / CONFIG_FILE).is_file()
-
-
-def read_draft_config(path: str | Path) -> DraftFileConfig:
-    data = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a raysd distilled draft (format {data.get('format')!r})")
-    return DraftFileConfig(**data)
 
 
 def load_draft(path: str | Path, target, dtype: str = "float32", device: str = "cpu"):

