@@ -297,61 +297,56 @@ def test_auto_speculation_length_through_the_actors(random_draft):
         assert r.stats.num_draft_tokens <= r.stats.speculation_length_sum
 
 
-def _one_and_eight_steps_per_call(drafter: DrafterSpec, engine_drafter, reqs, **resources):
-    """The requests through a coordinator at one step per call and at up to eight, and through the
-    engine, under costs where drafting pays at the prior's acceptance but not at a low one (K varies
-    by step). Checks what must not change: tokens, statistics, steps, the pooled evidence; returns
-    {steps per call: (output, the K controller's state)} and the engine."""
+def _eight_steps_per_call(drafter: DrafterSpec, engine_drafter, reqs, **resources):
+    """The requests through a coordinator at up to eight steps per call, and through the engine (one
+    step at a time), under costs where drafting pays at the prior's acceptance but not at a low one (K
+    varies by step). Checks what must not change: tokens, statistics, steps, the pooled evidence and
+    every step's plan; returns (the coordinator's output, its K controller's state)."""
     from raysd.core.speculation import AdaptiveConfig, StepCosts
 
     adaptive = AdaptiveConfig(StepCosts((1, 3), ((1.0, 1.2, 1.4, 1.6, 1.8),) * 2, (0.0, 0.0)), prior_alpha=0.6)
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), adaptive=adaptive)
-    runs = {}
-    for steps in (1, 8):
-        cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=1, max_steps_per_call=steps, **resources)
-        with SpecCoordinator(factory("llama", 0), drafter, cfg) as c:
-            runs[steps] = (c.generate(reqs), c.controller_state())
+    cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=1, max_steps_per_call=8, **resources)
+    with SpecCoordinator(factory("llama", 0), drafter, cfg) as c:
+        out, state = c.generate(reqs), c.controller_state()
     engine = SpecEngine(tiny_model("llama", 0), engine_drafter, EngineConfig(speculation, max_batch_size=3))
     expected = engine.generate(reqs)
-    for out, state in runs.values():
-        assert _tokens(out.results) == _tokens(expected)
-        assert [r.stats for r in out.results] == [r.stats for r in expected]
-        assert out.report.steps == engine.timings.steps
-        assert 0 < out.report.draft_steps < out.report.steps  # K was 0 on some steps, not on all
-        # The pooled evidence (summed per call, not per step: float order).
-        assert state["overlap_sum"] == pytest.approx(engine.k_controller.overlap_sum)
-        assert state["num_tested_positions"] == engine.k_controller.num_tested_positions
-    assert runs[1][0].report.transfer.steps == runs[1][0].report.steps  # calls
-    return runs, engine
+    assert _tokens(out.results) == _tokens(expected)
+    assert [r.stats for r in out.results] == [r.stats for r in expected]
+    assert out.report.steps == engine.timings.steps
+    assert 0 < out.report.draft_steps < out.report.steps  # K was 0 on some steps, not on all
+    # The pooled evidence (summed per call, not per step: float order), and every step's plan.
+    assert state["overlap_sum"] == pytest.approx(engine.k_controller.overlap_sum)
+    assert state["num_tested_positions"] == engine.k_controller.num_tested_positions
+    assert state["chosen"] == dict(engine.k_controller.chosen)
+    return out, state
 
 
 def test_colocated_steps_per_call_change_nothing_but_the_calls():
     """With the n-gram drafter in the target actor, one call runs several steps (until a row
     finishes), each choosing its K in the actor: tokens, statistics, steps and the controller's
-    pooled evidence equal one step per call and the single-process engine's, greedy and seeded."""
+    pooled evidence equal the single-process engine's, greedy and seeded; the calls are fewer."""
     prompts = [p + p[:5] for p in random_prompts(7, seed=11)]  # repeats give the lookup something to find
     reqs = requests(prompts[:4], max_new_tokens=12)
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=11 + i))
              for i, p in enumerate(prompts[4:])]
-    runs, _ = _one_and_eight_steps_per_call(DrafterSpec(None), NgramDrafter(VOCAB), reqs, target_resources=CPU)
-    assert runs[8][0].report.transfer.steps < runs[1][0].report.steps / 2
+    out, _ = _eight_steps_per_call(DrafterSpec(None), NgramDrafter(VOCAB), reqs, target_resources=CPU)
+    assert out.report.transfer.steps < out.report.steps / 2  # calls
 
 
 def test_a_draft_actors_plain_runs_change_nothing_but_the_calls():
     """A draft actor whose controller plans K = 0 hands the target a run of plain steps for one
     call (Proposed.steps, ending after the first step that retires a row): tokens, statistics,
-    steps, the pooled evidence and every step's plan equal one step per call and the
-    single-process engine's, greedy and seeded; the calls are fewer."""
+    steps, the pooled evidence and every step's plan equal the single-process engine's, greedy and
+    seeded; the calls are fewer."""
     prompts = random_prompts(7, seed=12)  # a random draft: a few drafting steps, then plain
     reqs = requests(prompts[:4], max_new_tokens=28)
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=3 + i, max_new_tokens=24 + i))
              for i, p in enumerate(prompts[4:])]
-    runs, engine = _one_and_eight_steps_per_call(DrafterSpec(factory("llama", 1)), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
-                                                 reqs, draft_resources=CPU, target_resources=CPU)
-    (one, one_state), (many, many_state) = runs[1], runs[8]
-    assert one.report.draft_steps < one.report.steps / 2  # mostly plain
-    assert one_state["chosen"] == many_state["chosen"] == dict(engine.k_controller.chosen)  # in a run or alone
-    assert many.report.transfer.steps < one.report.steps / 2
+    out, _ = _eight_steps_per_call(DrafterSpec(factory("llama", 1)), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
+                                   reqs, draft_resources=CPU, target_resources=CPU)
+    assert out.report.draft_steps < out.report.steps / 2  # mostly plain
+    assert out.report.transfer.steps < out.report.steps / 2  # calls
 
 
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
