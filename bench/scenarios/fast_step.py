@@ -237,9 +237,15 @@ def overhead_per_step(variants, summaries, runs) -> None:
 
 
 def rows_check(variants, runs) -> dict:
-    """Greedy: every side's rows equal the engine's (first repeat)."""
-    bad = []
+    """Greedy: every side's rows equal the engine's (first repeat); where not, which rows differ, and
+    at which token first (a float32 near-tie shows as one row, late)."""
+    bad = {}
     for v in variants:
-        if v.baseline is not None and runs[v.name][0]["_rows"] != runs[v.baseline][0]["_rows"]:
-            bad.append(v.name)
+        if v.baseline is None:
+            continue
+        mine, base = runs[v.name][0]["_rows"], runs[v.baseline][0]["_rows"]
+        if mine != base:
+            bad[v.name] = {row: next((i for i, (a, b) in enumerate(zip(mine.get(row, []), tokens)) if a != b),
+                                     min(len(mine.get(row, [])), len(tokens)))
+                           for row, tokens in base.items() if mine.get(row) != tokens}
     return {"ok": not bad, "mismatched": bad}

@@ -81,7 +81,7 @@ class CacheRows:
         B, E = extra.shape
         lengths = [len(p) for p in self.pending]
         P = max(lengths, default=0)
-        pend, _ = _left_aligned(self.pending, P, self.device)  # [B, P]
+        pend = _left_aligned(self.pending, P, self.device) if P else extra[:, :0]  # [B, P]
         full = P + E > 0 and min(lengths, default=0) == P and (E == 0 or (host_counts is not None and min(host_counts) == E))
         if full:  # every row feeds P pending and E extra tokens (a decode or draft step): nothing to align
             ids = torch.cat([pend, extra], dim=1) if P and E else (pend if P else extra)  # [B, P + E]
@@ -191,13 +191,12 @@ class CacheRows:
         return rows
 
 
-def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, width] ids (0-padded on the right) and their validity, built on the host in numpy (no
-    tensor operation per row) and copied to `device` once each."""
+def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:
+    """[B, width] ids, each row's on the left, 0-padded on the right: built on the host in numpy (no
+    tensor operation per row) and copied to `device` once."""
     counts = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    valid = np.arange(width)[None, :] < counts[:, None]  # [B, width]
     ids = np.zeros((len(rows), width), dtype=np.int64)
-    ids[valid] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(counts.sum()))
-    return (host_to_device(torch.from_numpy(ids), torch.int64, device),
-            host_to_device(torch.from_numpy(valid), torch.bool, device))
+    ids[np.arange(width)[None, :] < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
+                                                                   count=int(counts.sum()))
+    return host_to_device(torch.from_numpy(ids), torch.int64, device)
 
