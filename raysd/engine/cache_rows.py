@@ -13,13 +13,11 @@ cached key/values, which are the same.
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from raysd.core.device import host_to_device
+from raysd.core.device import host_to_device, padded_rows
 from raysd.models.runner import Runner
 
 
@@ -192,11 +190,5 @@ class CacheRows:
 
 
 def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:
-    """[B, width] ids, each row's on the left, 0-padded on the right: built on the host in numpy (no
-    tensor operation per row) and copied to `device` once."""
-    counts = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    ids = np.zeros((len(rows), width), dtype=np.int64)
-    ids[np.arange(width)[None, :] < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
-                                                                   count=int(counts.sum()))
-    return host_to_device(torch.from_numpy(ids), torch.int64, device)
-
+    """[B, width] ids, each row's on the left, 0-padded on the right, copied to `device` once."""
+    return host_to_device(torch.from_numpy(padded_rows(rows, width, right_aligned=False)[0]), torch.int64, device)

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from raysd.core.device import host_to_device, padded_rows
 from raysd.models.compat import cache_keyword
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
@@ -207,14 +208,9 @@ class DynamicRunner:
 
 def right_aligned(rows: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, W] token ids and validity of `rows` right-aligned (left-padded) to the longest, on `device`."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        if len(r):
-            ids[b, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.int64)
-            valid[b, width - len(r) :] = True
-    return ids.to(device), valid.to(device)
+    ids, valid = padded_rows(rows, max((len(r) for r in rows), default=0), right_aligned=True)
+    return (host_to_device(torch.from_numpy(ids), torch.int64, device),
+            host_to_device(torch.from_numpy(valid), torch.bool, device))
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
