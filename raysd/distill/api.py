@@ -61,7 +61,7 @@ class DistillConfig:
     # --kind eagle
     temperatures: tuple[float, ...] = (0.0, 1.0)  # continuations at each of these temperatures
     code_prompts: int = 0  # > 0: also this many windows of Python standard-library files, continued as raw text
-    code_window: int = 0  # which window of each of those files (0: the first; j: the j-th after it)
+    code_windows: tuple[int, ...] = (0,)  # which windows of each of those files (0: the first; j: the j-th after it)
     holdout_tasks: tuple[str, ...] = ()  # tasks kept entirely out of training
     eagle: dict = field(default_factory=dict)  # EagleTrainConfig fields (raysd.distill.eagle_train)
 
@@ -81,6 +81,8 @@ class DistillConfig:
             raise ValueError(f"temperature must be 0 or 1, got {self.temperature}")
         if min(self.max_prompts, self.max_prompts_per_task, self.skip_prompts_per_task) < 0:
             raise ValueError("max_prompts, max_prompts_per_task and skip_prompts_per_task must be >= 0")
+        if not self.code_windows or min(self.code_windows) < 0:
+            raise ValueError(f"code_windows must name windows >= 0, got {self.code_windows}")
         if self.head_vocab < 0:
             raise ValueError("head_vocab must be >= 0 (0: the full vocabulary)")
         if not self.data_only and not self.output:
@@ -168,7 +170,7 @@ def distill(cfg: DistillConfig, target=None, tokenizer=None, log=_log) -> Distil
     else:
         history = train_draft(draft, examples, cfg.train, device=cfg.device,
                               report=lambda m: log(f"step {m['step']}: loss {m['loss']:.4f}, top-1 agreement {m['top1_agreement']:.3f}"))
-    draft = draft.to("cpu" if cfg.backend == "ray" else cfg.device)
+    draft = draft.to("cpu")  # the probe below and saving run on the CPU, wherever it trained
     train_s = time.perf_counter() - t
     after = evaluate_loss(draft, examples[: min(len(examples), 32)], cfg.train.loss)
     log(f"trained in {train_s:.0f} s: loss {after['loss']:.3f}, top-1 agreement {after['top1_agreement']:.3f} (first 32 sequences)")

@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kind eagle: continuations at each of these temperatures (0 and/or 1)")
     g.add_argument("--code-prompts", type=int, default=0,
                    help="--kind eagle: also N windows of Python standard-library files (raw text), a fixed tenth held out")
-    g.add_argument("--code-window", type=int, default=0,
-                   help="--kind eagle: which window of each code file (0: the first; j: the j-th after it, for more data)")
+    g.add_argument("--code-windows", type=_ints, default=[0],
+                   help="--kind eagle: which windows of each code file, e.g. 0,1,2 (0: the first; j: the j-th after it, for more data)")
     g.add_argument("--holdout-tasks", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="tasks kept entirely out of training, e.g. translation")
     g.add_argument("--topk", type=int, default=32, help="teacher log-probabilities kept per position")
@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--loss", choices=["fkl", "tv"], default="fkl", help="forward KL or total variation")
     g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--max-train-seconds", type=float, default=0,
+                   help="> 0: train fewer than --steps steps when they would not fit in this time (the pace of the first 10 decides)")
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step and worker")
     g.add_argument("--max-context", type=int, default=0, help="> 0: truncate prompts to this many tokens before the continuation")
@@ -100,12 +102,13 @@ def config_from_args(args):
         max_prompts_per_task=args.max_prompts_per_task, skip_prompts_per_task=args.skip_prompts_per_task,
         holdout_per_task=args.holdout_per_task, topk=args.topk, gen_batch_size=args.gen_batch_size,
         train=TrainConfig(loss=args.loss, steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
-                          max_context=args.max_context, warmup_steps=args.warmup_steps, seed=args.seed, threads=args.threads),
+                          max_context=args.max_context, warmup_steps=args.warmup_steps, seed=args.seed, threads=args.threads,
+                          max_seconds=args.max_train_seconds),
         backend=args.backend, num_workers=args.num_workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
         device=args.device, teacher_dtype=args.teacher_dtype, save_dtype=args.save_dtype, data_cache=args.data_cache, data_only=args.data_only,
         shard=tuple(int(x) for x in args.shard.split("/")), evaluate=args.evaluate, eval_k=args.eval_k, eval_batch_sizes=tuple(args.eval_batch_sizes),
         eval_max_new_tokens=args.eval_max_new_tokens, chat_template=not args.no_chat_template, seed=args.seed,
-        kind=args.kind, temperatures=tuple(args.temperatures), code_prompts=args.code_prompts, code_window=args.code_window,
+        kind=args.kind, temperatures=tuple(args.temperatures), code_prompts=args.code_prompts, code_windows=tuple(args.code_windows),
         holdout_tasks=tuple(args.holdout_tasks),
         eagle={"ttt_steps": args.ttt_steps, "feature_weight": args.feature_weight, "prompt_weight": args.prompt_weight,
                "autocast": args.autocast},

@@ -38,7 +38,7 @@ def build_feature_data(cfg, target, tokenizer, log):
 
     prompts = [p for path in cfg.prompts for p in read_prompts(path)]
     train, heldout = split_prompts(cfg, prompts)
-    code = code_prompts(cfg.code_prompts, window=cfg.code_window) if cfg.code_prompts else []
+    code = [p for w in cfg.code_windows for p in code_prompts(cfg.code_prompts, window=w)] if cfg.code_prompts else []
     encode = prompt_encoder(tokenizer, cfg.chat_template)
     enc, tasks, skipped = select_training_prompts(
         train, lambda text: encode(Prompt(text, "", "")), cfg.max_prompt_tokens, max_per_task=cfg.max_prompts_per_task,
@@ -67,7 +67,7 @@ def build_feature_data(cfg, target, tokenizer, log):
             "skipped_long": skipped if i == 0 else 0,
             "prompts_per_task": {t: tasks.count(t) for t in sorted(set(tasks))},
             "heldout_per_task": cfg.holdout_per_task, "holdout_tasks": sorted(cfg.holdout_tasks),
-            "code_prompts": cfg.code_prompts, "code_window": cfg.code_window, "temperatures": list(cfg.temperatures), "max_new_tokens": cfg.max_new_tokens,
+            "code_prompts": cfg.code_prompts, "code_windows": list(cfg.code_windows), "temperatures": list(cfg.temperatures), "max_new_tokens": cfg.max_new_tokens,
             "continuation_tokens": sum(len(ex.input_ids) - ex.prompt_len for ex in examples),
             "prompt_tokens": sum(ex.prompt_len for ex in examples), "generation_s": time.perf_counter() - t}
     if cfg.data_cache:
@@ -122,7 +122,8 @@ def _train_and_save(cfg, target, tokenizer, examples, meta, log, t0):
     V = output_vocab_size(target)
     tcfg = EagleTrainConfig(steps=cfg.train.steps, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
                             batch_tokens=cfg.train.batch_tokens, max_context=cfg.train.max_context, loss=cfg.train.loss,
-                            seed=cfg.train.seed, threads=cfg.train.threads, log_every=cfg.train.log_every, **cfg.eagle)
+                            seed=cfg.train.seed, threads=cfg.train.threads, log_every=cfg.train.log_every,
+                            max_seconds=cfg.train.max_seconds, **cfg.eagle)
     head_ids = eagle_head_vocabulary(examples, cfg.head_vocab, V, always=eos_token_ids(target)) if cfg.head_vocab else None
     # the decoder layer starts random (measured: from the target's last layer the first loss is twice as high)
     # unless --init-layers names a target layer to copy
@@ -136,8 +137,9 @@ def _train_and_save(cfg, target, tokenizer, examples, meta, log, t0):
 
     def progress(m):
         steps = " ".join(f"{m.get(f'top1_step{k}', 0):.3f}" for k in range(1, tcfg.ttt_steps + 1))
-        bar = "#" * int(20 * m["step"] / max(1, tcfg.steps))
-        log(f"[{bar:<20}] step {m['step']}/{tcfg.steps}: loss {m['loss']:.4f}, top-1 by draft step {steps}, "
+        total = m.get("total_steps", tcfg.steps)
+        bar = "#" * int(20 * m["step"] / max(1, total))
+        log(f"[{bar:<20}] step {m['step']}/{total}: loss {m['loss']:.4f}, top-1 by draft step {steps}, "
             f"eta {m['eta_s']:.0f} s")
 
     t = time.perf_counter()

@@ -15,7 +15,7 @@ between the draft's hidden state at row t and the target's f_{t+1} (both through
 
 from __future__ import annotations
 
-import math
+import itertools
 import random
 import tempfile
 import time
@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from raysd.distill.schedule import Schedule
 from raysd.distill.eagle_data import FeatureExample
 
 
@@ -45,6 +46,7 @@ class EagleTrainConfig:
     seed: int = 0
     log_every: int = 10
     threads: int = 0
+    max_seconds: float = 0.0  # > 0: fewer steps when `steps` would not fit in this time (distill.schedule)
     # "bfloat16": the forward and backward under torch.autocast (matmuls in bf16, losses and optimizer state in
     # float32): ~2x the rows per second on a CPU with AVX512-BF16 or a GPU; "none": float32 throughout
     autocast: str = "none"
@@ -54,8 +56,8 @@ class EagleTrainConfig:
             raise ValueError(f"autocast must be none or bfloat16, got {self.autocast!r}")
         if self.loss not in ("fkl", "tv"):
             raise ValueError(f"loss must be fkl or tv, got {self.loss!r}")
-        if self.steps < 0 or self.batch_tokens < 1 or self.lr <= 0 or self.ttt_steps < 1:
-            raise ValueError("need steps >= 0, batch_tokens >= 1, lr > 0 and ttt_steps >= 1")
+        if self.steps < 0 or self.batch_tokens < 1 or self.lr <= 0 or self.ttt_steps < 1 or self.max_seconds < 0:
+            raise ValueError("need steps >= 0, batch_tokens >= 1, lr > 0, ttt_steps >= 1 and max_seconds >= 0")
 
 
 def _start(ex: FeatureExample, max_context: int) -> int:
@@ -189,19 +191,16 @@ def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig
     params = [p for p in draft.own_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plan.lr_factor)
     module.train()
     lcfg = {"ttt_steps": cfg.ttt_steps, "loss": cfg.loss, "feature_weight": cfg.feature_weight, "step_decay": cfg.step_decay}
     history, batches, start = [], [], time.perf_counter()
     acc: dict[str, float] = {}
     n_acc = rows = 0
-    for step in range(cfg.steps):
+    for step in itertools.count():
+        if step == plan.total:
+            break
         if not batches:
             batches = make_batches(examples, cfg.batch_tokens, rng, cfg.max_context)
         batch = collate([examples[i] for i in batches.pop()], cfg.prompt_weight, cfg.max_context)
@@ -218,10 +217,11 @@ def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig
             acc[k] = acc.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
         n_acc += 1
         rows += int((batch["weights"] > 0).sum())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        plan.after_step(step + 1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == plan.total:
             elapsed = time.perf_counter() - start
-            m = {"step": step + 1, **{k: v / n_acc for k, v in acc.items()}, "lr": sched.get_last_lr()[0],
-                 "trained_rows": rows, "elapsed_s": elapsed, "eta_s": elapsed / (step + 1) * (cfg.steps - step - 1)}
+            m = {"step": step + 1, "total_steps": plan.total, **{k: v / n_acc for k, v in acc.items()}, "lr": sched.get_last_lr()[0],
+                 "trained_rows": rows, "elapsed_s": elapsed, "eta_s": elapsed / (step + 1) * (plan.total - step - 1)}
             history.append(m)
             if report:
                 report(m)
@@ -235,11 +235,12 @@ def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig
 def evaluate_eagle_loss(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig) -> dict:
     """Loss and per-step agreement of the draft on `examples` (teacher-forced, training-time-test chains)."""
     module = EagleLoss(draft).eval()
+    device = next(draft.parameters()).device
     lcfg = {"ttt_steps": cfg.ttt_steps, "loss": cfg.loss, "feature_weight": cfg.feature_weight, "step_decay": cfg.step_decay}
     tot: dict[str, float] = {}
     n = 0.0
     for idx in make_batches(examples, cfg.batch_tokens, random.Random(0), cfg.max_context):
-        batch = collate([examples[i] for i in idx], cfg.prompt_weight, cfg.max_context)
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], cfg.prompt_weight, cfg.max_context).items()}
         loss, metrics = module(**batch, cfg=lcfg)
         w = float(batch["weights"].sum())
         for k, v in {"loss": loss, **metrics}.items():

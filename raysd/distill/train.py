@@ -12,7 +12,7 @@ and average gradients through DistributedDataParallel.
 
 from __future__ import annotations
 
-import math
+import itertools
 import random
 import tempfile
 import time
@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from raysd.distill.schedule import Schedule
 from raysd.distill.data import TeacherExample
 from raysd.models.layer_draft import head_logits, head_token_ids
 
@@ -41,12 +42,13 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     threads: int = 0  # torch threads per worker; 0 leaves torch's default
+    max_seconds: float = 0.0  # > 0: fewer steps when `steps` would not fit in this time (distill.schedule)
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.steps < 0 or self.batch_tokens < 1 or self.lr <= 0:
-            raise ValueError("need steps >= 0, batch_tokens >= 1 and lr > 0")
+        if self.steps < 0 or self.batch_tokens < 1 or self.lr <= 0 or self.max_seconds < 0:
+            raise ValueError("need steps >= 0, batch_tokens >= 1, lr > 0 and max_seconds >= 0")
 
 
 def distill_loss(logits: torch.Tensor, head_index: torch.Tensor, teacher_logprobs: torch.Tensor, loss: str) -> torch.Tensor:
@@ -174,18 +176,15 @@ def train_draft(
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
-    def lr_at(step):  # linear warmup, cosine decay to 10%
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plan.lr_factor)
     module.train()
     history, batches, start = [], [], time.perf_counter()
     acc_loss = acc_agree = 0.0
     n_acc = tokens = 0
-    for step in range(cfg.steps):
+    for step in itertools.count():
+        if step == plan.total:
+            break
         if not batches:
             batches = make_batches(examples, cfg.batch_tokens, rng, cfg.max_context)
         batch = collate([examples[i] for i in batches.pop()], head_map, cfg.max_context)
@@ -201,7 +200,8 @@ def train_draft(
         acc_agree += agree.item()
         n_acc += 1
         tokens += int(batch["sel_b"].numel())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        plan.after_step(step + 1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == plan.total:
             m = {"step": step + 1, "loss": acc_loss / n_acc, "top1_agreement": acc_agree / n_acc,
                  "lr": sched.get_last_lr()[0], "trained_positions": tokens, "elapsed_s": time.perf_counter() - start}
             history.append(m)
@@ -220,10 +220,11 @@ def evaluate_loss(draft: nn.Module, examples: Sequence[TeacherExample], loss: st
     V = draft.get_output_embeddings().weight.shape[0]
     head_map = head_position_map(draft, V)
     module = DistillModule(draft).eval()
+    device = next(draft.parameters()).device
     tot_loss = tot_agree = 0.0
     n = 0
     for idx in make_batches(examples, batch_tokens, random.Random(0)):
-        batch = collate([examples[i] for i in idx], head_map)
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], head_map).items()}
         l, a = module(**batch, loss=loss)
         k = int(batch["sel_b"].numel())
         tot_loss, tot_agree, n = tot_loss + float(l) * k, tot_agree + float(a) * k, n + k

@@ -114,12 +114,14 @@ class EagleDraft(nn.Module):
         over `head_ids` if given, the decoder layer initialised from target layer `init_layer` (None: random),
         and `fc` initialised to pass the feature half through (and a small random embedding half)."""
         cfg = layer_config(target.config)
-        tw = target.get_input_embeddings().weight.detach().float()
+        # built on the CPU whatever the target's device: training moves the draft where it trains
+        tied = target.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
+        tw = target.get_input_embeddings().weight.detach().to("cpu", torch.float32)
         embed = nn.Embedding(tw.shape[0], tw.shape[1])
         embed.weight = nn.Parameter(tw.clone(), requires_grad=False)
-        norm = copy.deepcopy(final_norm(target)).float()
-        hw = target.get_output_embeddings().weight.detach().float()
-        head_weight = embed.weight if hw.data_ptr() == target.get_input_embeddings().weight.data_ptr() else nn.Parameter(hw.clone(), requires_grad=False)
+        norm = copy.deepcopy(final_norm(target)).to("cpu", torch.float32)
+        hw = target.get_output_embeddings().weight.detach().to("cpu", torch.float32)
+        head_weight = embed.weight if tied else nn.Parameter(hw.clone(), requires_grad=False)
         if head_ids is not None:
             head = RestrictedHead(head_weight, torch.as_tensor(head_ids))
         else:
@@ -138,7 +140,7 @@ class EagleDraft(nn.Module):
                 if init_layer is not None:
                     layers = target.base_model.layers
                     src = layers[init_layer].state_dict()
-                    draft.layer.load_state_dict({k: v.detach().float().clone() for k, v in src.items()}, strict=False)
+                    draft.layer.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in src.items()}, strict=False)
         return draft.float().eval()
 
     # ------------------------------------------------------------------ the API a drafter calls

@@ -256,3 +256,19 @@ def test_prompt_selection_max_then_skip_partitions_each_task():
     assert [len(x) for x in rest] == [1, 6, 2, 3] and skipped2 == skipped_all == 1  # the 9-token prompt
     assert sorted(map(len, first + rest)) == sorted(map(len, everything)) and len(everything) == 8
     assert [len(x) for x in select_training_prompts(prompts, encode, 8, max_per_task=1, skip_per_task=2)[0]] == [1, 6]
+
+
+def test_a_time_bounded_schedule_fits_its_steps_and_ends_its_cosine():
+    from raysd.distill.schedule import Schedule
+
+    now = [0.0]
+    plan = Schedule(1000, warmup_steps=4, max_seconds=5.0, probe=10, clock=lambda: now[0])
+    assert plan.lr_factor(0) == 0.25 and plan.lr_factor(4) == 1.0
+    for done in range(1, 11):
+        now[0] += 0.1  # 0.1 s a step: 50 steps fit in 5 s
+        plan.after_step(done)
+    assert plan.total == 50 and abs(plan.lr_factor(49) - 0.1) < 0.01  # the last step runs at about 10%
+    assert Schedule(30, 4, max_seconds=5.0, clock=lambda: 0.0).total == 30  # never more than asked
+    unbounded = Schedule(1000, 4)
+    unbounded.after_step(10)
+    assert unbounded.total == 1000
