@@ -14,7 +14,7 @@
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
-#   smolbench SmolLM2 with a 6-layer self-draft, real acceptance
+#   smolbench SmolLM2 with its shipped (layers) draft, real acceptance
 #   distill-eagle, distill-layers  the embedded default's EAGLE and layers drafts trained on the GPU (after `weights`;
 #             the Spec-Bench prompts carried as .spec-bench/question.jsonl): the drafts come back under $OUT/eagle, $OUT/draft
 #
@@ -81,14 +81,14 @@ for s in "$@"; do
             --drafters none,draft:4 --prompts 64 --max-new-tokens 64 --repeats 1 --out "$out/fast_step_gpu_graphs.json"
         ;;
     smolbench)
-        stage smolbench 80 python3 -m bench run gpu --pair smollm2 --rates real --batches 1 8 32 --runners static graph \
+        stage smolbench 80 python3 -m bench run gpu --pair smollm2 --draft-model smollm2-135m-instruct-draft --rates real --batches 1 8 32 --runners static graph \
             --reps 10 --warmup 3 --new-tokens 64 --out "$out/gpu_smollm2.json"
         ;;
     distill-eagle)  # docs/distill.md: the shipped EAGLE draft
-        stage distill-eagle 330 python3 -m raysd distill --kind eagle --prompts "$kept/question.jsonl" --holdout-per-task 4 \
-            --code-prompts 1000 --code-windows 0,1,2,3,4,5 --temperatures 0,1 --max-new-tokens 128 --max-prompt-tokens 1024 \
+        stage distill-eagle 360 python3 -m raysd distill --kind eagle --prompts "$kept/question.jsonl" --holdout-per-task 4 \
+            --code-prompts 1000 --code-windows 0,1 --temperatures 0,1 --max-new-tokens 128 --max-prompt-tokens 1024 \
             --gen-batch-size 256 --head-vocab 8192 --ttt-steps 3 --prompt-weight 0.5 --max-context 256 \
-            --steps 6000 --max-train-seconds "${TRAIN_S_EAGLE:-150}" --lr 1e-3 --batch-tokens 16384 --warmup-steps 50 \
+            --steps 6000 --max-train-seconds "${TRAIN_S_EAGLE:-200}" --lr 1e-3 --batch-tokens 16384 --warmup-steps 50 \
             --autocast bfloat16 --backend local --device cuda --save-dtype bfloat16 --output "$out/eagle"
         ;;
     distill-layers)  # docs/distill.md: the shipped layers draft

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss", choices=["fkl", "tv"], default="fkl", help="forward KL or total variation")
     g.add_argument("--steps", type=int, default=200)
     g.add_argument("--max-train-seconds", type=float, default=0,
-                   help="> 0: train fewer than --steps steps when they would not fit in this time (the pace of the first 10 decides)")
+                   help="> 0: train fewer than --steps steps when they would not fit in this time (the pace of steps 11-20 decides)")
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step and worker")
     g.add_argument("--max-context", type=int, default=0, help="> 0: truncate prompts to this many tokens before the continuation")

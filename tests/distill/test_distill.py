@@ -262,12 +262,13 @@ def test_a_time_bounded_schedule_fits_its_steps_and_ends_its_cosine():
     from raysd.distill.schedule import Schedule
 
     now = [0.0]
-    plan = Schedule(1000, warmup_steps=4, max_seconds=5.0, probe=10, clock=lambda: now[0])
+    plan = Schedule(1000, warmup_steps=4, max_seconds=15.0, probe=10, clock=lambda: now[0])
     assert plan.lr_factor(0) == 0.25 and plan.lr_factor(4) == 1.0
-    for done in range(1, 11):
-        now[0] += 0.1  # 0.1 s a step: 50 steps fit in 5 s
+    for done in range(1, 21):
+        now[0] += 1.0 if done <= 10 else 0.1  # slow first steps, then 0.1 s a step
         plan.after_step(done)
-    assert plan.total == 50 and abs(plan.lr_factor(49) - 0.1) < 0.01  # the last step runs at about 10%
+    assert plan.total == 60  # 11 s spent, 4 s left at 0.1 s a step: 40 more
+    assert abs(plan.lr_factor(59) - 0.1) < 0.01  # the last step runs at about 10%
     assert Schedule(30, 4, max_seconds=5.0, clock=lambda: 0.0).total == 30  # never more than asked
     unbounded = Schedule(1000, 4)
     unbounded.after_step(10)

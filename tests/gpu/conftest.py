@@ -42,3 +42,10 @@ def _exact_fp32_matmuls():
     torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def pytest_runtest_logreport(report):
+    """A failure's traceback at once, not at the session's end: on the lent GPU a later hang (a Ray
+    shutdown at a module's teardown) and the stage's time limit swallowed the summary (2026-11-28)."""
+    if report.failed:
+        print(f"\n{report.nodeid} ({report.when}) FAILED\n{report.longreprtext}", flush=True)
