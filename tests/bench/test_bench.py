@@ -162,3 +162,23 @@ def test_result_envelope_names_its_machine_and_versions():
     v = environment.versions()
     assert {"python", "torch", "transformers", "ray", "raysd_commit"} <= set(v)
     assert len(environment.load_average()) == 3
+
+
+def test_fast_steps_row_check_passes_near_ties_only():
+    from bench.scenarios.fast_step import rows_check
+
+    variants = [Variant("engine", {}, None), Variant("actors", {}, None, baseline="engine")]
+    base = {"0": [5, 6, 7], "1": [1, 2, 3], "2": [4, 4, 4]}
+    runs = {"engine": [{"_rows": base}], "actors": [{"_rows": {"0": [5, 6, 7], "1": [1, 9, 9], "2": [4, 8, 8]}}]}
+    asked = []
+
+    def near_tie(row, prefix, a, b):  # row 1's first difference is a tie, row 2's is not
+        asked.append((row, prefix, a, b))
+        return {"near_tie": row == "1"}
+
+    check = rows_check(variants, runs, near_tie)
+    assert asked == [("1", [1], 9, 2), ("2", [4], 8, 4)]
+    assert not check["ok"] and check["mismatched"] == {"actors": {"2": {"position": 1, "near_tie": False}}}
+    assert check["near_ties"] == {"actors": {"1": {"position": 1, "near_tie": True}}}
+    runs["actors"][0]["_rows"]["2"] = [4, 4, 4]
+    assert rows_check(variants, runs, near_tie)["ok"]
