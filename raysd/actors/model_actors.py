@@ -45,7 +45,7 @@ from raysd.engine.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
 from raysd.engine.target import TargetSide
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
-from raysd.models.loading import max_model_len, model_dtype, output_vocab_size
+from raysd.models.loading import eos_token_ids, max_model_len, model_dtype, output_vocab_size
 from raysd.models.profile import time_forward, time_forward_upto
 from raysd.models.runner import check_runner_kind
 from raysd.models.static_runner import supports_static
@@ -257,6 +257,7 @@ class ActorInfo:
     dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
     node: str | None = None  # the Ray node id of its process (None outside Ray)
     tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
+    eos_token_ids: tuple[int, ...] = ()  # the target's (generation config, else model config); () for a draft
 
 
 @dataclass(frozen=True)
@@ -459,7 +460,7 @@ class TargetActor:
         trees = self.runner != "dynamic" and supports_static(self.model)
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
                          gpu=assigned_gpu(), dtype=model_dtype(self.model), node=current_node(),
-                         tensor_parallel=self.tensor_parallel)
+                         tensor_parallel=self.tensor_parallel, eos_token_ids=eos_token_ids(self.model))
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

@@ -136,32 +136,11 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
     return params, seed, None
 
 
-def _eos_ids(name: str, tokenizer, trust_remote_code: bool) -> tuple[int, ...]:
-    """The target's EOS ids: generation config, else model config, else tokenizer."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from raysd.models.loading import _source
-
-    source, extra = _source(name)
-
-    def as_tuple(eos):
-        if eos is None:
-            return None
-        return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-    try:
-        found = as_tuple(GenerationConfig.from_pretrained(source, **extra).eos_token_id)
-        if found:
-            return found
-    except (OSError, ValueError):
-        pass
-    if not extra:  # GGUF configs are slow to read; their tokenizer knows the EOS
-        try:
-            found = as_tuple(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code).eos_token_id)
-            if found:
-                return found
-        except (OSError, ValueError):
-            pass
+def _eos_ids(target_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+    """The target's EOS ids: its generation config's, else its model config's (as the target actor
+    read them from the loaded model: no config is read again here), else its tokenizer's."""
+    if target_eos:
+        return tuple(target_eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return (int(tokenizer.eos_token_id),)
     return ()
@@ -374,8 +353,8 @@ class GenerationReplica:
         # The dtypes the models run in, "auto" resolved by each model actor on its device.
         self.target_dtype = self.coordinator.target_info.dtype
         self.draft_dtype = self.coordinator.draft_info.dtype if cfg.draft_is_model else None
-        eos = _eos_ids(cfg.target, self.tokenizer, cfg.trust_remote_code)
-        # The EOS ids are known only now (the tokenizer loaded beside the models); rows read them at admission.
+        eos = _eos_ids(self.coordinator.target_info.eos_token_ids, self.tokenizer)
+        # The EOS ids come from the target actor's loaded model (its tokenizer as a fallback); rows read them at admission.
         # -k auto learns its step costs from the job's own steps (LearnedStepCosts) and puts no
         # profiling pass before the first token; a draft model's cached profile, when there is
         # one, is the better start.

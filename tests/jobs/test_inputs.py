@@ -16,7 +16,7 @@ import pytest
 from raysd.jobs import GenerateConfig, JobError
 from raysd.jobs.config import DEFAULT_DRAFT
 from raysd.jobs.io import open_input
-from raysd.jobs.replica import prompt_token_ids, row_params, row_seed
+from raysd.jobs.replica import _eos_ids, prompt_token_ids, row_params, row_seed
 from raysd.jobs.runner import check_job
 from raysd.jobs.schema import GENERATED_FIELDS, output_schema
 
@@ -241,3 +241,12 @@ def test_a_parquet_read_starts_footer_readers_for_its_files_not_32(monkeypatch):
     with _footer_readers(2):
         assert FooterFileIndexer(ignore_missing_paths=False)._num_actors == 5
     assert os.environ[key] == "5"
+
+
+def test_the_targets_eos_comes_from_its_model_then_its_tokenizer():
+    class Tok:
+        eos_token_id = 7
+
+    assert _eos_ids((2, 3), Tok()) == (2, 3)  # generation config, else model config: as the target actor read them
+    assert _eos_ids((), Tok()) == (7,)
+    assert _eos_ids((), None) == ()

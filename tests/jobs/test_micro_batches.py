@@ -12,6 +12,7 @@ from raysd.core.sampling import SamplingParams
 from raysd.core.speculation import StepCosts
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.replica import GenerationReplica
+from tests.conftest import EOS
 from tests.jobs.conftest import token_prompts
 from tests.jobs.test_generate import reference
 
@@ -35,6 +36,8 @@ def compute_bound(key: dict) -> StepCosts:
 def run_replica(cfg: GenerateConfig, prompts) -> tuple[int, list[list[int]]]:
     replica = GenerationReplica(cfg)
     try:
+        # the target's EOS, as its actor read it from the loaded model (no config read again in the replica)
+        assert replica.coordinator.config.speculation.eos_token_ids == replica.coordinator.target_info.eos_token_ids == (EOS,)
         outputs, _ = replica.generate([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
         return replica.coordinator.config.num_micro_batches, [o["generated_token_ids"] for [o] in outputs]  # one sample each
     finally:
