@@ -238,7 +238,8 @@ def overhead_per_step(variants, summaries, runs) -> None:
 
 def rows_check(variants, runs, near_tie=None) -> dict:
     """Greedy: every side's rows equal the engine's (first repeat). Where a row differs, at which token
-    first; a row whose first difference is a near-tie of the target (`near_tie(row, position, a, b)`:
+    first; a row whose first difference is a near-tie of the target (`near_tie(row, prefix, a, b)`, the
+    prefix the common tokens before it, a and b the two sides' tokens there:
     rounding, not a bug: another batch shape picks the other of two tokens) is listed apart and passes."""
     bad, ties = {}, {}
     for v in variants:
