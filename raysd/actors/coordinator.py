@@ -108,6 +108,9 @@ class CoordinatorConfig:
     # The target's decode and verify forwards replayed as CUDA graphs captured per shape
     # (raysd.models.cuda_graphs; static runner, a GPU); a draft model's: DrafterSpec.cuda_graphs.
     cuda_graphs: bool = False
+    # The target borrows the draft actor's CPU threads while that actor has nothing to do: one
+    # micro-batch, both actors on the CPUs of one node (SpecCoordinator.lend_threads).
+    lend_draft_threads: bool = True
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
@@ -143,6 +146,7 @@ class RunReport:
     target_busy_s: float = 0.0
     steps: int = 0  # micro-batch steps (one target forward each)
     draft_steps: int = 0  # of which the draft actor proposed for (the rest drafted nothing: K = 0)
+    borrowed_steps: int = 0  # of which the target ran with the draft actor's threads too (`lend_threads`)
     generated_tokens: int = 0
     recoveries: int = 0  # times in-flight rows were re-queued after an actor failure
     transfer: TransferStats = field(default_factory=TransferStats)
@@ -324,6 +328,22 @@ class SpecCoordinator:
                 and self.tensor_parallel == 1)
 
     @property
+    def can_lend(self) -> bool:
+        """Whether the draft actor may lend its CPU threads to the target's calls (raysd.actors.
+        turns): a draft actor that can (Linux, its CPU) and a target on the same node's CPUs, not
+        tensor-parallel. A GPU's step needs no host threads, and another node's cores are not this
+        target's to use."""
+        return (self.config.lend_draft_threads and self.draft is not None and self.draft_info.lends_threads
+                and self.tensor_parallel == 1 and self.draft_info.node == self.target_info.node
+                and self.target_info.gpu is None)
+
+    @property
+    def lend_threads(self) -> bool:
+        """Whether the draft actor lends its threads now: with one micro-batch it idles through every
+        target call (with two, it proposes for the other meanwhile)."""
+        return self.can_lend and self.config.num_micro_batches == 1
+
+    @property
     def admission(self) -> Admission:
         """Which requests may run, under the current config (read at each micro-batch's start)."""
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
@@ -495,7 +515,7 @@ class SpecCoordinator:
             ref = self._step_graph().execute(target_call)
         else:
             draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s,
-                                             last_steps=mb.last_steps)
+                                             last_steps=mb.last_steps, lend_threads=self.lend_threads)
             ref = self._step_graph().execute(draft_call, target_call)
         admitted = bool(mb.new)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
@@ -503,9 +523,10 @@ class SpecCoordinator:
 
     def _read(self, ref) -> tuple[Verdict, StepTimings]:
         """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
-        rank's output is read (a channel left unread fills up); all ranks ran the same step, so
-        the others' verdicts are rank 0's. The first failure among them is raised."""
-        if self.tensor_parallel == 1:
+        output is read (a channel left unread fills up): every rank's, all of which ran the same step
+        (the others' verdicts are rank 0's), and the draft actor's `rest`. The first failure among
+        them is raised."""
+        if not isinstance(ref, list):
             return ref.get()
         outputs, error = [], None
         for r in ref:
@@ -553,6 +574,8 @@ class SpecCoordinator:
                     if self.device_channel:  # the proposal's device tensors travel GPU to GPU (NCCL)
                         proposed = proposed.with_tensor_transport(transport="nccl")
                     outs = [t.step.bind(calls[1], proposed) for t in self.targets]
+                    if self.can_lend:  # after proposing, the draft actor sleeps through a call it lent threads to
+                        outs.append(self.draft.rest.bind(proposed))
                 out = outs[0] if len(outs) == 1 else MultiOutputNode(outs)
             # Sized for two micro-batches at least: a replica compiles at its start with one, then may
             # switch to two once it knows its step costs (_serve compiles again for more).
@@ -592,6 +615,7 @@ class SpecCoordinator:
             mb.last_steps = timings.steps
         report.steps += timings.steps
         report.draft_steps += timings.drafted_steps
+        report.borrowed_steps += timings.borrowed_steps
         report.last_step_at = time.time()
         if report.first_step_at is None:
             report.first_step_at = report.last_step_at

@@ -33,6 +33,7 @@ from raysd.actors.transport import (
     encode_proposal,
     pickled_nbytes,
 )
+from raysd.actors.turns import Doorbell, Ringer, borrowed_threads
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.adaptive import KController, PlainRun
 from raysd.engine.batch import Plan, Verdict, merge_plain
@@ -162,6 +163,8 @@ class StepCall:
     # The steps the micro-batch's last call ran, with its verdict or without (the micro-batch emptied
     # and starts afresh): a plain run's end (Proposed.steps). 0: none, or unknown after a recovery.
     last_steps: int = 0
+    # The draft actor lends the target its CPU threads for the call (SpecCoordinator.lend_threads).
+    lend_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.verdict is not None:
@@ -258,6 +261,7 @@ class ActorInfo:
     node: str | None = None  # the Ray node id of its process (None outside Ray)
     tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
     eos_token_ids: tuple[int, ...] = ()  # the target's (generation config, else model config); () for a draft
+    lends_threads: bool = False  # a draft actor that can lend its CPU threads to the target (raysd.actors.turns)
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,10 @@ class Proposed:
     # Plain decoding (plan.k == 0) for up to this many steps in the target's one call, ending after
     # the first that retires a row: the draft's controller plans nothing else meanwhile (StepHook.plain_run).
     steps: int = 1
+    # The draft actor's CPU threads the target may use for this call besides its own (StepCall.
+    # lend_threads): the draft actor sleeps until the target rings `doorbell` at the call's end.
+    lent_threads: int = 0
+    doorbell: str | None = None
 
 
 def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
@@ -299,6 +307,8 @@ class DraftActor:
     (ray-project/ray#53727). The K controller lives here: the plan is chosen where the drafts are
     drawn, from the evidence of every verdict the actor has applied."""
 
+    REST_MIN_TIMEOUT_S = 1.0
+
     def __init__(self, spec: DrafterSpec, target_vocab_size, measure_bytes: bool = True):
         exit_when_orphaned()
         self.spec, self.measure_bytes = spec, measure_bytes
@@ -320,6 +330,9 @@ class DraftActor:
         self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
         self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
         self.plain_runs: dict[int, PlainRun] = {}  # per micro-batch: the plain run its last proposal asked for
+        # Where the target wakes this actor after a call it lent its threads to (`rest`): CPUs only.
+        self.doorbell = Doorbell() if Doorbell.available() and self.device.type == "cpu" else None
+        self.rest_timeout_s = 0.0
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
@@ -341,7 +354,7 @@ class DraftActor:
         trees = self.model is None or (self.spec.runner != "dynamic" and supports_static(self.model)
                                        and self.spec.draft_assist == "none")
         return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees, assigned_gpu(),
-                         model_dtype(self.model), current_node())
+                         model_dtype(self.model), current_node(), lends_threads=self.doorbell is not None)
 
     def controller_state(self) -> dict:
         """The K controller's pooled evidence and choices (_Planner.state)."""
@@ -371,24 +384,38 @@ class DraftActor:
         if call.new_rows:
             side.add(call.new_rows)
         plan = hook.plan(side)
-        steps = 1
+        steps, lent = 1, 0
         if plan.k == 0 and not plan.tree_budget and not side.drafter.needs_features:  # features: every step's
             run = hook.plain_run(side, call.max_steps)
             steps = run.steps
             if steps > 1:
                 self.plain_runs[call.mb] = run
+        if call.lend_threads and self.doorbell is not None:  # idle until the target's call ends: lend
+            lent = torch.get_num_threads()
+            self.doorbell.clear()
+            # Sleep at most 4x the call's expected time (from the last call's), then spin as before:
+            # a target lost mid-call never rings.
+            per_step = call.verify_s / call.last_steps if call.last_steps else 0.0
+            self.rest_timeout_s = max(self.REST_MIN_TIMEOUT_S, 4 * steps * per_step)
+        doorbell = self.doorbell.address if lent else None
         t0 = time.perf_counter()
         proposal = side.propose(plan)
         self.draft_s[call.mb] = time.perf_counter() - t0
         if call.device_proposal:  # device tensors, GPU to GPU over the step graph's NCCL channel
-            return Proposed(plan, proposal, time.perf_counter() - start, steps)
+            return Proposed(plan, proposal, time.perf_counter() - start, steps, lent, doorbell)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         if self.measure_bytes:
             t = self.transfer
             t.steps, t.proposal = t.steps + 1, t.proposal + pickled_nbytes(wire)
             t.dense_equivalent += proposal.draft_probs.numel() * 4
             t.sparse_steps += wire.encoding == "sparse"
-        return Proposed(plan, wire, time.perf_counter() - start, steps)
+        return Proposed(plan, wire, time.perf_counter() - start, steps, lent, doorbell)
+
+    def rest(self, proposed: Proposed) -> None:
+        """After `propose`, in the same step graph: through a target call this actor lent its threads
+        to, sleep until the target rings (raysd.actors.turns), rather than spin in the channel read."""
+        if proposed.lent_threads:
+            self.doorbell.wait(self.rest_timeout_s)
 
 
 class TargetActor:
@@ -425,6 +452,7 @@ class TargetActor:
         # The target's tokenizer, for stop strings (decoded where the rows' state lives).
         decode = None if tokenizer_factory is None else decoder(tokenizer_factory())
 
+        self.ringer = Ringer()  # wakes a draft actor that lent this actor its threads for a plain run
         self.suffix_index = None if drafter is None else SuffixIndex(drafter.suffix.max_cached_sequences,
                                                                       drafter.suffix.max_cached_tokens)
 
@@ -505,9 +533,13 @@ class TargetActor:
             hook = ReceivedPlan(target.spec, proposed.plan)
             wire = proposed.wire
             proposal = decode_proposal(wire, self.device) if isinstance(wire, WireProposal) else on_device(wire, self.device)
-            verdicts = [speculative_step(ReceivedProposal(proposal), target, hook)]
-            while len(verdicts) < proposed.steps and verdicts[-1].keep is None and not verdicts[-1].finished:
-                verdicts.append(speculative_step(ReceivedProposal(proposal), target, hook))
+            with borrowed_threads(proposed.lent_threads):
+                verdicts = [speculative_step(ReceivedProposal(proposal), target, hook)]
+                while len(verdicts) < proposed.steps and verdicts[-1].keep is None and not verdicts[-1].finished:
+                    verdicts.append(speculative_step(ReceivedProposal(proposal), target, hook))
+            if proposed.doorbell is not None:
+                self.ringer.ring(proposed.doorbell)  # the draft actor's threads are its own again
+            hook.timings.borrowed_steps = hook.timings.steps if proposed.lent_threads else 0
             verdict = merge_plain(verdicts)
             if verdict.features is not None:  # to the host in one copy: they travel to the draft actor
                 sizes = [len(f) for f in verdict.features]

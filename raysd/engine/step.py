@@ -48,6 +48,7 @@ class StepTimings:
     row_steps: int = 0  # rows decoded, summed over steps: occupancy = row_steps / (steps x batch slots)
     generated_tokens: int = 0
     wall_s: float = 0.0
+    borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
 
 
 class StepHook:

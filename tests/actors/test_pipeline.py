@@ -193,6 +193,7 @@ def test_continuous_refill_and_overlap_report(random_draft):
     static_steps = sum(max(1 + 2 * i for i in range(j, min(j + 3, 14))) for j in range(0, 14, 3))
     assert report.steps < static_steps
     assert report.draft_busy_s > 0 and report.target_busy_s > 0 and report.wall_s > 0
+    assert report.borrowed_steps == 0  # two micro-batches: the draft actor proposes for one while the other verifies
     # Overlap cannot hide more than the shorter side's busy time (<= 1); there is no lower bound:
     # on a loaded machine the wall holds idle time that neither actor's busy time covers.
     assert report.overlap_efficiency <= 1.0
@@ -347,6 +348,8 @@ def test_a_draft_actors_plain_runs_change_nothing_but_the_calls():
                                    reqs, draft_resources=CPU, target_resources=CPU)
     assert out.report.draft_steps < out.report.steps / 2  # mostly plain
     assert out.report.transfer.steps < out.report.steps / 2  # calls
+    # One micro-batch on one node's CPUs: every call ran on the draft actor's threads too (raysd.actors.turns).
+    assert out.report.borrowed_steps == out.report.steps
 
 
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
