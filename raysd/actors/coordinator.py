@@ -858,7 +858,8 @@ class RequestStream:
     def totals(self) -> dict:
         r = self.report
         return {"wall_s": time.perf_counter() - self._started, "draft_busy_s": r.draft_busy_s,
-                "target_busy_s": r.target_busy_s, "steps": r.steps, "draft_steps": r.draft_steps, "active_rows": r.active_rows,
+                "target_busy_s": r.target_busy_s, "steps": r.steps, "draft_steps": r.draft_steps,
+                "borrowed_steps": r.borrowed_steps, "active_rows": r.active_rows,
                 "slots": r.slots, "queue_wait_s": r.queue_wait_s, "idle_s": r.idle_s,
                 "recoveries": r.recoveries + r.recoveries_done, "generated_tokens": r.generated_tokens,
                 "first_step_at": r.first_step_at, "last_step_at": r.last_step_at}

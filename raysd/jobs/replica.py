@@ -474,7 +474,8 @@ class GenerationReplica:
         with self._report_lock:
             now = self.stream.totals()
             delta = {k: now[k] - self._reported.get(k, 0) for k in
-                     ("draft_busy_s", "target_busy_s", "steps", "draft_steps", "active_rows", "queue_wait_s", "idle_s", "recoveries", "wall_s")}
+                     ("draft_busy_s", "target_busy_s", "steps", "draft_steps", "borrowed_steps", "active_rows", "queue_wait_s", "idle_s",
+                      "recoveries", "wall_s")}
             self._reported = now
             delta["start_s"], self._start_s = self._start_s, 0.0
             if self.cfg.draft == SUFFIX:  # where the suffix drafter's drafts came from, rows finished since

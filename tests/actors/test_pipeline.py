@@ -31,9 +31,10 @@ CPU = ActorResources(num_cpus=1, num_gpus=0)
 K = 4
 
 
-def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0)) -> SpecCoordinator:
+def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0), micro_batches=2) -> SpecCoordinator:
     speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
-    cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, draft_resources=CPU, target_resources=CPU)
+    cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, num_micro_batches=micro_batches,
+                            draft_resources=CPU, target_resources=CPU)
     return SpecCoordinator(target, draft, cfg)
 
 
@@ -259,12 +260,15 @@ def test_top_m_draft_keeps_the_target_distribution():
     assert out.report.transfer.sparse_steps == out.report.transfer.steps
 
 
-def test_killed_actors_rerun_their_rows(random_draft):
+@pytest.mark.parametrize("micro_batches", [2, 1])
+def test_killed_actors_rerun_their_rows(random_draft, micro_batches):
     """SIGKILL the target mid-run, then the draft mid-run: Ray restarts each, the
-    rows in flight re-run from their start, every request yields one correct result."""
+    rows in flight re-run from their start, every request yields one correct result. With one
+    micro-batch the draft actor lends its threads and sleeps on its doorbell through each target
+    call (raysd.actors.turns): a target killed meanwhile never rings, and the draft wakes at its timeout."""
     reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
     clean = _tokens(random_draft.generate(reqs).results)
-    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
+    with _coordinator(DrafterSpec(factory("llama", 1)), micro_batches=micro_batches) as c:
         for actor in (c.target, c.draft):
             pid = ray.get(actor.info.remote()).pid
             out = kill_mid_generate(c, reqs, pid, timeout_s=150)
@@ -273,6 +277,7 @@ def test_killed_actors_rerun_their_rows(random_draft):
             assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
             assert _tokens(out.results) == clean
             assert all(len(r.token_ids) == 24 for r in out.results)
+            assert (out.report.borrowed_steps > 0) == (micro_batches == 1)
 
 
 def test_auto_speculation_length_through_the_actors(random_draft):
