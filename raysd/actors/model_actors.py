@@ -452,7 +452,7 @@ class TargetActor:
         # The target's tokenizer, for stop strings (decoded where the rows' state lives).
         decode = None if tokenizer_factory is None else decoder(tokenizer_factory())
 
-        self.ringer = Ringer()  # wakes a draft actor that lent this actor its threads for a plain run
+        self.ringer = Ringer()  # wakes a draft actor that lent this actor its threads for a call
         self.suffix_index = None if drafter is None else SuffixIndex(drafter.suffix.max_cached_sequences,
                                                                       drafter.suffix.max_cached_tokens)
 
