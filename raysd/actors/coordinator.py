@@ -56,6 +56,7 @@ from raysd.actors.model_actors import (
     TensorParallelGroupBroken,
 )
 from raysd.actors.transport import TransferStats, pickled_nbytes
+from raysd.actors.turns import Doorbell
 from raysd.core.speculation import SpeculationConfig, StepCosts
 from raysd.engine.batch import Verdict
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
@@ -253,6 +254,8 @@ class SpecCoordinator:
             self.draft = self._actor(DraftActor, tp, config.draft_resources, name=self._draft_name).remote(
                 drafter, self._target_name, config.measure_bytes)
         self.target_info, self.draft_info = self._infos(timeout=None)  # all load their models first
+        self._doorbell = Doorbell() if Doorbell.available() else None  # see `caller_doorbell`
+        self._tickets = 0  # calls made, each one's ticket (StepCall.ticket)
         self._join_group()
         self.vocab_size = self.target_info.vocab_size
         if config.speculation.tree_budget and not (self.target_info.supports_trees and self.draft_info.supports_trees):
@@ -338,6 +341,18 @@ class SpecCoordinator:
                 and self.target_info.gpu is None)
 
     @property
+    def caller_doorbell(self) -> Doorbell | None:
+        """Where this process sleeps through each call (`_ReadPacer.wait`) until the target rings
+        it: a target on this node's CPUs, whose threads a read spinning in the compiled graph's
+        channel (Ray 2.60: sched_yield) would slow, most of all through a call that admits rows and
+        prefills them, which the pacer's recent calls cannot time. From a driver process (nice 0)
+        beside the target actor (nice 15), 2 cores, fast-step target, B = 32, 64 rows: 10-16 s
+        with the nap, 5-11 s of it this process's CPU; 3.0-3.5 s with the doorbell. A GPU's
+        target needs no host core, and the read's spin wakes sooner."""
+        same_node = self.target_info.node == self._node and self.target_info.gpu is None
+        return self._doorbell if same_node else None
+
+    @property
     def lend_threads(self) -> bool:
         """Whether the draft actor lends its threads now: with one micro-batch it idles through every
         target call (with two, it proposes for the other meanwhile)."""
@@ -381,6 +396,8 @@ class SpecCoordinator:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(self.placement_group)
+        if getattr(self, "_doorbell", None) is not None:
+            self._doorbell.close()
 
     def profile_step_costs(self, k_max: int, batch_sizes: Sequence[int], context: int = 128, reps: int = 3) -> StepCosts:
         """Step costs measured inside the actors, on the devices they run on. Every rank of a
@@ -445,7 +462,7 @@ class SpecCoordinator:
             self._close_graph()  # compiled for fewer executions in flight than this config keeps
         report.slots = cfg.micro_batch_size * cfg.num_micro_batches
         mbs = [_MicroBatch(m) for m in range(cfg.num_micro_batches)]
-        in_flight: deque[tuple[object, _MicroBatch, int, float, bool]] = deque()  # executions of the step graph, oldest first
+        in_flight: deque[tuple[object, _MicroBatch, int, float, bool, int]] = deque()  # executions of the step graph, oldest first
         pacer = _ReadPacer()
         while True:
             if refill is not None:
@@ -469,8 +486,8 @@ class SpecCoordinator:
                             in_flight.append(self._submit(mb))
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
-                ref, mb, nbytes, submitted_at, admitted = in_flight.popleft()
-                pacer.nap(submitted_at)
+                ref, mb, nbytes, submitted_at, admitted, ticket = in_flight.popleft()
+                pacer.wait(submitted_at, admitted, self.caller_doorbell, ticket)
                 verdict, timings = self._read(ref)
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
@@ -503,14 +520,18 @@ class SpecCoordinator:
             mb.rows.append(item)
             mb.new.append(item)
 
-    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int, float, bool]:
+    def _submit(self, mb: _MicroBatch) -> tuple[object, _MicroBatch, int, float, bool, int]:
         """One step of `mb`, one execution of the step graph (`_step_graph`): the draft actor gets
         the last verdict and the new rows, the target actor the new rows and the draft's proposal.
-        Returns (the execution's ref, mb, the call's bytes, when it was submitted, whether it admitted rows)."""
+        Returns (the execution's ref, mb, the call's bytes, when it was submitted, whether it
+        admitted rows, its ticket)."""
         spec = self.admission.spec if mb.fresh else None
+        self._tickets += 1
+        bell = self.caller_doorbell
         # max_steps: a colocated drafter's steps per call, or a draft actor's plain run (Proposed.steps).
         target_call = StepCall(mb.mb_id, spec, None, tuple(mb.new), self.draft_info.feature_draft,
-                               self.config.max_steps_per_call, 0.0, self.device_channel)
+                               self.config.max_steps_per_call, 0.0, self.device_channel,
+                               caller_doorbell=None if bell is None else bell.address, ticket=self._tickets)
         if self.draft is None:
             ref = self._step_graph().execute(target_call)
         else:
@@ -519,7 +540,7 @@ class SpecCoordinator:
             ref = self._step_graph().execute(draft_call, target_call)
         admitted = bool(mb.new)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
-        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter(), admitted
+        return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter(), admitted, self._tickets
 
     def _read(self, ref) -> tuple[Verdict, StepTimings]:
         """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
@@ -697,17 +718,45 @@ class _ReadPacer:
     nap planned from one oversleeps the next call by the difference (seen on 2 cores, fast-step
     target, batch 8: the second and third reads 0.17 s and 0.28 s late). Until then, and for a
     step cheaper than the last ones (`-k auto` choosing K = 0 after K = 4, the batch's last
-    rows), the read errs early: spinning costs some CPU, oversleeping the whole step's idle target."""
+    rows), the read errs early: spinning costs some CPU, oversleeping the whole step's idle target.
+
+    Where the target rings a doorbell at each call's end (SpecCoordinator.caller_doorbell: its
+    CPUs on this node), `wait` sleeps on that instead and needs no estimate, the calls that
+    admit rows included; the estimates then only bound the sleep (`bell_timeout_s`)."""
 
     SLACK_FRACTION = 0.05
     SLACK_S = 3e-4
     MIN_NAP_S = 5e-4  # below it, sleeping's own wake-up jitter costs more than the spin
     RECENT = 8
     TRUSTED = 2
+    # A ring that does not come within BELL_TIMEOUT_FACTOR x the call's expected seconds (at least
+    # MIN_BELL_TIMEOUT_S; FIRST_BELL_TIMEOUT_S before any such call was read) leaves the read to
+    # wait, spinning: a target lost mid-call never rings, and the read is what reports its loss.
+    BELL_TIMEOUT_FACTOR = 4.0
+    MIN_BELL_TIMEOUT_S = 1.0
+    FIRST_BELL_TIMEOUT_S = 10.0
 
     def __init__(self):
         self.ready_at = 0.0  # perf_counter when the last result was read
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
+        self.admitting_s: float | None = None  # the last call's that admitted rows (target's + draft actor's)
+
+    def wait(self, submitted_at: float, admitted: bool, bell: Doorbell | None, ticket: int) -> None:
+        """Until the call submitted at `submitted_at` (with `ticket`) ends, or is about to: asleep on
+        `bell` until the target rings it, else a `nap`."""
+        if bell is None:
+            self.nap(submitted_at)
+        else:
+            bell.wait_for(ticket, self.bell_timeout_s(admitted))
+
+    def bell_timeout_s(self, admitted: bool) -> float:
+        if admitted:
+            expected = self.admitting_s
+        else:
+            expected = min(t + d for t, d in self.recent) if self.recent else None
+        if expected is None:
+            return self.FIRST_BELL_TIMEOUT_S
+        return max(self.MIN_BELL_TIMEOUT_S, self.BELL_TIMEOUT_FACTOR * expected)
 
     def nap(self, submitted_at: float) -> None:
         if len(self.recent) < self.TRUSTED:
@@ -722,8 +771,11 @@ class _ReadPacer:
     def ready(self, timings: StepTimings, colocated: bool, admitted: bool = False) -> None:
         """A result was read: `timings` its call's, `admitted` whether the call took new rows."""
         self.ready_at = time.perf_counter()
-        if not admitted:
-            self.recent.append((timings.wall_s, 0.0 if colocated else timings.draft_s))
+        draft_s = 0.0 if colocated else timings.draft_s
+        if admitted:
+            self.admitting_s = timings.wall_s + draft_s
+        else:
+            self.recent.append((timings.wall_s, draft_s))
 
 
 class _TaskStep:

@@ -165,6 +165,10 @@ class StepCall:
     last_steps: int = 0
     # The draft actor lends the target its CPU threads for the call (SpecCoordinator.lend_threads).
     lend_threads: bool = False
+    # The coordinator's doorbell on the target's node, and this call's ticket: the target (rank 0)
+    # rings it when the call ends, and the coordinator sleeps until then (raysd.actors.turns).
+    caller_doorbell: str | None = None
+    ticket: int = 0
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.verdict is not None:
@@ -502,15 +506,20 @@ class TargetActor:
         return self.suffix_index.provenance() if self.suffix_index is not None else {}
 
     def step(self, call: StepCall, proposed: Proposed | None = None) -> tuple[Verdict, StepTimings]:
-        """`_step`; on a tensor-parallel rank a failed collective (a peer died) is TensorParallelGroupBroken."""
-        if self.tensor_parallel.world_size == 1:
-            return self._step(call, proposed)
+        """`_step`; on a tensor-parallel rank a failed collective (a peer died) is TensorParallelGroupBroken.
+        However the call ends, rank 0 then rings the coordinator's doorbell with its ticket."""
         try:
-            return self._step(call, proposed)
-        except (MicroBatchStateLost, AssertionError):
-            raise
-        except RuntimeError as exc:  # gloo: "Connection reset by peer"; NCCL: its watchdog's timeout
-            raise TensorParallelGroupBroken(f"rank {self.tensor_parallel.rank}: {type(exc).__name__}: {exc}") from exc
+            if self.tensor_parallel.world_size == 1:
+                return self._step(call, proposed)
+            try:
+                return self._step(call, proposed)
+            except (MicroBatchStateLost, AssertionError):
+                raise
+            except RuntimeError as exc:  # gloo: "Connection reset by peer"; NCCL: its watchdog's timeout
+                raise TensorParallelGroupBroken(f"rank {self.tensor_parallel.rank}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if call.caller_doorbell is not None and self.tensor_parallel.rank == 0:
+                self.ringer.ring(call.caller_doorbell, call.ticket)
 
     @torch.inference_mode()
     def _step(self, call: StepCall, proposed: Proposed | None = None) -> tuple[Verdict, StepTimings]:

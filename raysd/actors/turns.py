@@ -10,6 +10,10 @@ step: B = 8 9.3 ms against 6.6 ms on one thread and 5.3 ms on two; B = 32 12.5, 
 So the draft actor blocks on a `Doorbell` (a datagram socket: no spinning, no polling) until the
 target `ring`s it at the call's end, and only then goes back to the channel.
 
+The replica's coordinator waits the same way for each call's result (`Doorbell.wait_for`): the
+target rings it with the call's ticket when the call ends, so the coordinator's process sleeps
+through the call rather than spin in the channel read beside the target's threads.
+
 The doorbell's address is in Linux's abstract socket namespace: no file to create or remove, and
 it vanishes with its process (a restarted actor binds a new one). Elsewhere there is no doorbell
 and no lending.
@@ -21,6 +25,7 @@ import os
 import select
 import socket
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -70,6 +75,22 @@ class Doorbell:
         self.clear()
         return bool(ready)
 
+    def wait_for(self, ticket: int, timeout_s: float) -> bool:
+        """Sleep until a ring carrying `ticket` or a later one arrives (True) or `timeout_s` passed
+        (False). Calls end in the order they were made, so a later ticket's ring means this one's
+        call ended too; an earlier ticket's (a call abandoned after a failure) is dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                while True:
+                    if int.from_bytes(self.sock.recv(64), "little") >= ticket:
+                        return True
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                return False
+
     def close(self) -> None:
         self.sock.close()
 
@@ -81,8 +102,9 @@ class Ringer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
 
-    def ring(self, address: str) -> None:
+    def ring(self, address: str, ticket: int = 1) -> None:
+        """`ticket`: which call ended (`Doorbell.wait_for`); a plain `wait` reads none."""
         try:
-            self.sock.sendto(b"1", address)
+            self.sock.sendto(ticket.to_bytes(8, "little"), address)
         except OSError:  # ConnectionRefused / FileNotFound: nobody waits there any more; full: rung already
             pass

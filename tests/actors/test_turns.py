@@ -3,6 +3,7 @@ draft actor that lends its threads to a plain run and sleeps until the target ri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 
-from raysd.actors.model_actors import DraftActor, DrafterSpec, StepCall, TargetActor
+from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor
 from raysd.actors.turns import Doorbell, Ringer, borrowed_threads
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.requests import Admission
@@ -53,6 +54,21 @@ def test_a_doorbell_sleeps_until_rung_from_another_process():
     Ringer().ring(bell.address)  # nobody listens there any more: not an error
 
 
+def test_a_doorbell_waits_for_its_ticket_or_a_later_one():
+    """The coordinator's wait (`wait_for`): a ring for an earlier call (abandoned after a failure)
+    does not end it, the call's own or a later one's does (calls end in order)."""
+    bell, ringer = Doorbell(), Ringer()
+    try:
+        ringer.ring(bell.address, 4)
+        assert not bell.wait_for(5, 0.05)  # only ticket 4 rang: the timeout
+        ringer.ring(bell.address, 5)
+        assert bell.wait_for(5, 30.0)
+        ringer.ring(bell.address, 8)
+        assert bell.wait_for(6, 30.0) and not bell.wait_for(9, 0.01)
+    finally:
+        bell.close()
+
+
 def _first_call(spec, prompts, lend: bool = False) -> StepCall:
     reqs = requests(prompts, max_new_tokens=12)
     return StepCall(0, Admission.of(spec, VOCAB, [512]).spec, None, tuple(enumerate(reqs)), max_steps=8, lend_threads=lend)
@@ -85,3 +101,24 @@ def test_a_draft_actor_lends_its_threads_to_a_plain_run_and_rests_until_rung():
     fixed = SpeculationConfig(num_speculative_tokens=3, eos_token_ids=(EOS,))
     drafting = other.propose(_first_call(fixed, prompts, lend=True))
     assert drafting.plan.k == 3 and drafting.steps == 1 and drafting.lent_threads == torch.get_num_threads()
+
+
+def test_the_target_rings_the_callers_doorbell_as_each_call_ends_a_failed_one_too():
+    """The coordinator sleeps through a call on its doorbell (SpecCoordinator.caller_doorbell): the
+    target rings it with the call's ticket when the call returns, and when it raises (here: a micro-
+    batch whose state this process does not have, as after a restart), so a failure is read at once."""
+    spec = SpeculationConfig(num_speculative_tokens=0, eos_token_ids=(EOS,))
+    target = TargetActor(functools.partial(tiny_model, "llama", 0), drafter=DrafterSpec(None))
+    bell = Doorbell()
+    try:
+        call = dataclasses.replace(_first_call(spec, random_prompts(2, seed=3)), caller_doorbell=bell.address, ticket=7)
+        verdict, timings = target.step(call)
+        assert timings.steps >= 1 and bell.wait_for(7, 0.0)
+        lost = StepCall(3, caller_doorbell=bell.address, ticket=8)
+        with pytest.raises(MicroBatchStateLost):
+            target.step(lost)
+        assert bell.wait_for(8, 0.0)
+        target.step(dataclasses.replace(call, spec=None, new_rows=(), ticket=9, caller_doorbell=None))
+        assert not bell.wait_for(9, 0.05)  # a call without a doorbell rings none
+    finally:
+        bell.close()
