@@ -150,6 +150,9 @@ class RunReport:
     borrowed_steps: int = 0  # of which the target ran with the draft actor's threads too (`lend_threads`)
     generated_tokens: int = 0
     recoveries: int = 0  # times in-flight rows were re-queued after an actor failure
+    # Calls whose result this process slept for until the target rang (`caller_doorbell`); the
+    # others it napped for, or its wait timed out and the read spun.
+    rung_calls: int = 0
     transfer: TransferStats = field(default_factory=TransferStats)
     slots: int = 0  # micro_batch_size * num_micro_batches: rows the actors can hold at once
     active_rows: int = 0  # summed over completed steps: rows in the micro-batches when the step ended
@@ -487,7 +490,7 @@ class SpecCoordinator:
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
                 ref, mb, nbytes, submitted_at, admitted, ticket = in_flight.popleft()
-                pacer.wait(submitted_at, admitted, self.caller_doorbell, ticket)
+                report.rung_calls += pacer.wait(submitted_at, admitted, self.caller_doorbell, ticket)
                 verdict, timings = self._read(ref)
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
@@ -741,13 +744,13 @@ class _ReadPacer:
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
         self.admitting_s: float | None = None  # the last call's that admitted rows (target's + draft actor's)
 
-    def wait(self, submitted_at: float, admitted: bool, bell: Doorbell | None, ticket: int) -> None:
+    def wait(self, submitted_at: float, admitted: bool, bell: Doorbell | None, ticket: int) -> bool:
         """Until the call submitted at `submitted_at` (with `ticket`) ends, or is about to: asleep on
-        `bell` until the target rings it, else a `nap`."""
+        `bell` until the target rings it (True), else a `nap` (False)."""
         if bell is None:
             self.nap(submitted_at)
-        else:
-            bell.wait_for(ticket, self.bell_timeout_s(admitted))
+            return False
+        return bell.wait_for(ticket, self.bell_timeout_s(admitted))
 
     def bell_timeout_s(self, admitted: bool) -> float:
         if admitted:

@@ -328,7 +328,16 @@ def _eight_steps_per_call(drafter: DrafterSpec, engine_drafter, reqs, **resource
     return out, state
 
 
-def test_colocated_steps_per_call_change_nothing_but_the_calls():
+def _patient_reads(monkeypatch) -> None:
+    """The coordinator waits for every ring however slow the machine is (its wait's timeout is
+    what lets a read spin for a target lost mid-call): so `rung_calls` counts rings, not timings."""
+    from raysd.actors import coordinator
+
+    monkeypatch.setattr(coordinator._ReadPacer, "MIN_BELL_TIMEOUT_S", 600.0)
+    monkeypatch.setattr(coordinator._ReadPacer, "FIRST_BELL_TIMEOUT_S", 600.0)
+
+
+def test_colocated_steps_per_call_change_nothing_but_the_calls(monkeypatch):
     """With the n-gram drafter in the target actor, one call runs several steps (until a row
     finishes), each choosing its K in the actor: tokens, statistics, steps and the controller's
     pooled evidence equal the single-process engine's, greedy and seeded; the calls are fewer."""
@@ -336,11 +345,13 @@ def test_colocated_steps_per_call_change_nothing_but_the_calls():
     reqs = requests(prompts[:4], max_new_tokens=12)
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=11 + i))
              for i, p in enumerate(prompts[4:])]
+    _patient_reads(monkeypatch)
     out, _ = _eight_steps_per_call(DrafterSpec(None), NgramDrafter(VOCAB), reqs, target_resources=CPU)
     assert out.report.transfer.steps < out.report.steps / 2  # calls
+    assert out.report.rung_calls == out.report.transfer.steps  # each read after the target's ring (caller_doorbell)
 
 
-def test_a_draft_actors_plain_runs_change_nothing_but_the_calls():
+def test_a_draft_actors_plain_runs_change_nothing_but_the_calls(monkeypatch):
     """A draft actor whose controller plans K = 0 hands the target a run of plain steps for one
     call (Proposed.steps, ending after the first step that retires a row): tokens, statistics,
     steps, the pooled evidence and every step's plan equal the single-process engine's, greedy and
@@ -349,12 +360,15 @@ def test_a_draft_actors_plain_runs_change_nothing_but_the_calls():
     reqs = requests(prompts[:4], max_new_tokens=28)
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=3 + i, max_new_tokens=24 + i))
              for i, p in enumerate(prompts[4:])]
+    _patient_reads(monkeypatch)
     out, _ = _eight_steps_per_call(DrafterSpec(factory("llama", 1)), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
                                    reqs, draft_resources=CPU, target_resources=CPU)
     assert out.report.draft_steps < out.report.steps / 2  # mostly plain
     assert out.report.transfer.steps < out.report.steps / 2  # calls
-    # One micro-batch on one node's CPUs: every call ran on the draft actor's threads too (raysd.actors.turns).
+    # One micro-batch on one node's CPUs: every call ran on the draft actor's threads too (raysd.actors.turns),
+    # and this process slept through every call until the target rang.
     assert out.report.borrowed_steps == out.report.steps
+    assert out.report.rung_calls == out.report.transfer.steps
 
 
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
