@@ -732,11 +732,9 @@ class _ReadPacer:
     MIN_NAP_S = 5e-4  # below it, sleeping's own wake-up jitter costs more than the spin
     RECENT = 8
     TRUSTED = 2
-    # A ring that does not come within BELL_TIMEOUT_FACTOR x the call's expected seconds (at least
-    # MIN_BELL_TIMEOUT_S; FIRST_BELL_TIMEOUT_S before any such call was read) leaves the read to
-    # wait, spinning: a target lost mid-call never rings, and the read is what reports its loss.
-    BELL_TIMEOUT_FACTOR = 4.0
-    MIN_BELL_TIMEOUT_S = 1.0
+    # A ring that does not come within Doorbell.timeout_s of the call's expected seconds
+    # (FIRST_BELL_TIMEOUT_S before any such call was read) leaves the read to wait, spinning: a
+    # target lost mid-call never rings, and the read is what reports its loss.
     FIRST_BELL_TIMEOUT_S = 10.0
 
     def __init__(self):
@@ -759,7 +757,7 @@ class _ReadPacer:
             expected = min(t + d for t, d in self.recent) if self.recent else None
         if expected is None:
             return self.FIRST_BELL_TIMEOUT_S
-        return max(self.MIN_BELL_TIMEOUT_S, self.BELL_TIMEOUT_FACTOR * expected)
+        return Doorbell.timeout_s(expected)
 
     def nap(self, submitted_at: float) -> None:
         if len(self.recent) < self.TRUSTED:

@@ -311,8 +311,6 @@ class DraftActor:
     (ray-project/ray#53727). The K controller lives here: the plan is chosen where the drafts are
     drawn, from the evidence of every verdict the actor has applied."""
 
-    REST_MIN_TIMEOUT_S = 1.0
-
     def __init__(self, spec: DrafterSpec, target_vocab_size, measure_bytes: bool = True):
         exit_when_orphaned()
         self.spec, self.measure_bytes = spec, measure_bytes
@@ -397,10 +395,9 @@ class DraftActor:
         if call.lend_threads and self.doorbell is not None:  # idle until the target's call ends: lend
             lent = torch.get_num_threads()
             self.doorbell.clear()
-            # Sleep at most 4x the call's expected time (from the last call's), then spin as before:
-            # a target lost mid-call never rings.
+            # The call's expected time from the last call's (then spin as before: Doorbell.timeout_s).
             per_step = call.verify_s / call.last_steps if call.last_steps else 0.0
-            self.rest_timeout_s = max(self.REST_MIN_TIMEOUT_S, 4 * steps * per_step)
+            self.rest_timeout_s = Doorbell.timeout_s(steps * per_step)
         doorbell = self.doorbell.address if lent else None
         t0 = time.perf_counter()
         proposal = side.propose(plan)

@@ -51,11 +51,21 @@ def borrowed_threads(lent: int):
 class Doorbell:
     """A socket another process on this node rings (`ring(address)`) to end a `wait`."""
 
+    # A waiter sleeps at most TIMEOUT_FACTOR x the call's expected seconds, at least MIN_TIMEOUT_S
+    # (`timeout_s`), then goes back to the channel read: a target lost mid-call never rings.
+    TIMEOUT_FACTOR = 4.0
+    MIN_TIMEOUT_S = 1.0
+
     def __init__(self):
         self.address = f"\0raysd-doorbell-{os.getpid()}-{uuid.uuid4().hex}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.address)
         self.sock.setblocking(False)
+
+    @classmethod
+    def timeout_s(cls, expected_s: float) -> float:
+        """How long to sleep for the ring of a call expected to take `expected_s`."""
+        return max(cls.MIN_TIMEOUT_S, cls.TIMEOUT_FACTOR * expected_s)
 
     @staticmethod
     def available() -> bool:

@@ -91,7 +91,7 @@ def test_a_draft_actor_lends_its_threads_to_a_plain_run_and_rests_until_rung():
     assert timings.steps >= 1 and timings.borrowed_steps == timings.steps
     t0 = time.perf_counter()
     draft.rest(lent)  # rung at the run's end: returns at once
-    assert time.perf_counter() - t0 < draft.REST_MIN_TIMEOUT_S
+    assert time.perf_counter() - t0 < Doorbell.MIN_TIMEOUT_S
     # Not asked to lend (two micro-batches, or another node): nothing lent, no rest.
     other = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
     kept = other.propose(_first_call(spec, prompts))
