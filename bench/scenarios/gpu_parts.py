@@ -157,11 +157,15 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
                  runner_kind: str = "dynamic") -> dict:
     """Median seconds of one runner forward appending `width` tokens to each of `batch` rows holding
     `context` cached tokens, logits at all `width`. runner_kind: "static" (StaticRunner, the engine's
-    default for Llama-family models), "dynamic" (HF DynamicCache), "graph" (the static step as a CUDA graph)."""
+    default for Llama-family models), "dynamic" (HF DynamicCache), "graph" (the static step as a CUDA graph),
+    "compiled-graph" (the static step through torch.compile, captured as a CUDA graph; the compile is the warm-up's)."""
     from raysd.models.dynamic_runner import DynamicRunner
     from raysd.models.static_runner import CudaGraphStep, StaticRunner
 
-    runner = DynamicRunner(model) if runner_kind == "dynamic" else StaticRunner(model, max_cache_len=context + 2 * width + 8)
+    if runner_kind == "compiled-graph":  # one compile per (model, B, T, W) here: more than dynamo's default 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    runner = (DynamicRunner(model) if runner_kind == "dynamic"
+              else StaticRunner(model, max_cache_len=context + 2 * width + 8, compile=runner_kind == "compiled-graph"))
     device = runner.device
     g = torch.Generator().manual_seed(seed)
     runner.add_rows(batch)
@@ -171,7 +175,7 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
     valid = torch.ones_like(chunk, dtype=torch.bool)
     num = torch.full((batch,), width, dtype=torch.int64, device=device)
     back = torch.full((batch,), context, dtype=torch.int64, device=device)
-    if runner_kind == "graph":
+    if runner_kind in ("graph", "compiled-graph"):
         step = CudaGraphStep(runner, width, width)
         call = lambda: step(chunk, valid, num)  # noqa: E731
     elif runner_kind == "static":

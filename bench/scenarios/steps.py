@@ -60,12 +60,7 @@ class Steps:
         self.runner.add_rows(batch)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(3, self.vocab, (batch, context), generator=g)
-        call = getattr(self.runner, "_model_call", None)
-        if call is not None:
-            self.runner._model_call = model  # the prefill runs eager: only the step's shapes are compiled
-        self.runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(batch, dtype=torch.int64))
-        if call is not None:
-            self.runner._model_call = call
+        self.runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(batch, dtype=torch.int64))  # eager
         self.base = self.runner.lengths.clone()
         self.batch, self.context = batch, context
 

@@ -131,7 +131,9 @@ class StaticRunner:
                  cuda_graphs: bool = False):
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
         `checks` turns on the assertions that need a host synchronisation (tests);
-        `compile` runs the model through torch.compile (static shapes per (B, T, W));
+        `compile` runs the steps (chunks of up to SMALL_CHUNK tokens per row: decode, verify, draft) through
+        torch.compile, static shapes per (B, T, W); a prefill's shapes vary with every batch, so it runs eager;
+        with `cuda_graphs`, the compiled kernels are what each graph captures (Inductor's fusions, then no launches);
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
         as CUDA graphs captured per shape (raysd.models.cuda_graphs). CUDA only."""
@@ -152,12 +154,12 @@ class StaticRunner:
         self._lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [S] cached tokens per slot
         self._num_rows = 0
         self._bound = 0  # host upper bound on max(lengths)
-        self._model_call = torch.compile(model, dynamic=False) if compile else model
+        self._compiled = torch.compile(model, dynamic=False) if compile else None
         self._packed = use_packed(model, linear_kernels) and not compile  # Inductor packs its own
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a model on a CUDA device, not {self.device}")
-        if cuda_graphs and (compile or checks):
-            raise ValueError("cuda_graphs replays captured kernels: not with compile or checks")
+        if cuda_graphs and checks:
+            raise ValueError("cuda_graphs replays captured kernels: not with checks")
         self.graphs = GraphedSteps(self, cuda_graph_capture, pool=torch.cuda.graph_pool_handle()) if cuda_graphs else None
 
     @property
@@ -229,7 +231,8 @@ class StaticRunner:
         # K + 1 query tokens without copying the cache per key/value group, and without re-packing
         # each weight per product on a CPU
         with packed_gqa(self.model), linear_kernels(self.model, self._packed):
-            out = self._model_call(
+            call = self._compiled if self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK else self.model
+            out = call(
                 input_ids=chunks,
                 attention_mask=self._mask(allowed[:, None]),
                 position_ids=positions.clamp(min=0),

@@ -55,8 +55,8 @@ def steps(model, runner, rng, hist, n_steps=6, width=5, step=None):
     return hist
 
 
-def prefilled(model, rng, rows=4, max_cache_len=64):
-    runner = StaticRunner(model, max_cache_len=max_cache_len)
+def prefilled(model, rng, rows=4, max_cache_len=64, compile=False):
+    runner = StaticRunner(model, max_cache_len=max_cache_len, compile=compile)
     runner.add_rows(rows)
     hist = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(rows)]
     runner.forward(*right_aligned(hist), torch.ones(rows, dtype=torch.int64, device=DEVICE))
@@ -119,6 +119,17 @@ def test_cuda_graph_step_replays_exactly(dtype):
     graphed._reserve(graphed.cache.capacity[1])  # the buffers double, and move
     with pytest.raises(RuntimeError, match="buffers moved.*capture a new step"):
         step(ids, valid, num)
+
+
+@needs_cuda
+def test_a_compiled_step_captured_as_a_cuda_graph_matches_the_reference():
+    """torch.compile's kernels (Inductor's fusions) captured in the step's CUDA graph: fp32 logits
+    equal the unpadded reference's through rollbacks, as the eager graph's do. The prefill runs eager."""
+    model = tiny_on_device("llama", dtype=torch.float32)
+    rng = random.Random(4)
+    runner, hist = prefilled(model, rng, max_cache_len=48, compile=True)
+    step = CudaGraphStep(runner, width=5, max_logits=5, attend=128)
+    steps(model, runner, rng, hist, n_steps=8, step=step)
 
 
 def eager_step(runner, ids, valid, num, attend=128):

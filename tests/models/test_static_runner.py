@@ -195,7 +195,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
             return gm.forward
 
         r = make_runner()
-        r._model_call = torch.compile(model, backend=backend, dynamic=False)
+        r._compiled = torch.compile(model, backend=backend, dynamic=False)  # the steps' model call
         r.add_rows(4)
         gen = torch.Generator().manual_seed(1)
         p = torch.randint(3, VOCAB, (4, 8), generator=gen)
@@ -209,7 +209,7 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
         dynamo.reset()
         return counts
 
-    assert graphs_over_steps(lambda: StaticRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # prefill + one decode graph
+    assert graphs_over_steps(lambda: StaticRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # the 8-token prefill (a step's width: compiled) + one decode graph
 
 
 @pytest.mark.skipif(os.environ.get("RAYSD_COMPILE_TESTS") != "1", reason="inductor compile takes minutes on a CPU; RAYSD_COMPILE_TESTS=1")
