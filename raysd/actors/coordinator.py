@@ -615,7 +615,13 @@ class SpecCoordinator:
         graph = self._step_graph()
         proxy = getattr(graph, "_proxy_actor", None)  # Ray 2.60's CompiledDAG; none for _TaskStep
         if proxy is not None:
-            ray.get(proxy.__ray_ready__.remote())
+            try:  # it needs no resources, only a worker process: a wait past the placement's means none starts
+                ray.get(proxy.__ray_ready__.remote(), timeout=self.config.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                self.shutdown()
+                raise RuntimeError(f"the step graph's driver-side proxy actor did not start within "
+                                   f"{self.config.placement_timeout_s:.0f}s: Ray started no worker process for it "
+                                   "on this node (see the raylet's log)") from None
 
     def _close_graph(self) -> None:
         if self._graph is not None:

@@ -40,7 +40,9 @@ K, MAX_NEW = 4, 16
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    own_ray(num_cpus=4, num_gpus=1 if DEVICE.type == "cuda" else 0)
+    # 8 CPUs on the GPU machine (16 cores): Ray starts at most num_cpus worker processes at once, and the
+    # last test's step-graph proxy once waited past its 60 s for a worker (2026-11-28, H200, third session)
+    own_ray(num_cpus=8 if DEVICE.type == "cuda" else 4, num_gpus=1 if DEVICE.type == "cuda" else 0)
     yield
     ray.shutdown()
 
