@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule
+from raysd.distill.schedule import Schedule, min_across_workers
 from raysd.distill.eagle_data import FeatureExample
 
 
@@ -191,7 +191,7 @@ def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig
     params = [p for p in draft.own_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds)
+    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds, agree=min_across_workers)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, plan.lr_factor)
     module.train()
     lcfg = {"ttt_steps": cfg.ttt_steps, "loss": cfg.loss, "feature_weight": cfg.feature_weight, "step_decay": cfg.step_decay}

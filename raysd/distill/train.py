@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule
+from raysd.distill.schedule import Schedule, min_across_workers
 from raysd.distill.data import TeacherExample
 from raysd.models.layer_draft import head_logits, head_token_ids
 
@@ -176,7 +176,7 @@ def train_draft(
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
-    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds)
+    plan = Schedule(cfg.steps, cfg.warmup_steps, cfg.max_seconds, agree=min_across_workers)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, plan.lr_factor)
     module.train()
     history, batches, start = [], [], time.perf_counter()

@@ -269,6 +269,15 @@ def test_a_time_bounded_schedule_fits_its_steps_and_ends_its_cosine():
         plan.after_step(done)
     assert plan.total == 60  # 11 s spent, 4 s left at 0.1 s a step: 40 more
     assert abs(plan.lr_factor(59) - 0.1) < 0.01  # the last step runs at about 10%
+    for done in range(21, 41):
+        now[0] += 0.0625  # faster still: planned again at 40 steps from the pace since 20
+        plan.after_step(done)
+        assert plan.total == (60 if done < 40 else 84)  # 12.25 s spent, 2.75 s left at 0.0625 s a step: 44 more
+    agreed = Schedule(1000, 4, max_seconds=15.0, probe=10, clock=lambda: now[0], agree=lambda total: min(total, 50))
+    for done in range(1, 21):
+        now[0] += 0.1
+        agreed.after_step(done)
+    assert agreed.total == 50  # what the workers agreed on, not this one's 148
     assert Schedule(30, 4, max_seconds=5.0, clock=lambda: 0.0).total == 30  # never more than asked
     unbounded = Schedule(1000, 4)
     unbounded.after_step(10)
