@@ -14,6 +14,7 @@
 #   smol      the SmolLM2 tests alone (after `weights`)
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
 #   compile   the 8B/1B step costs as CUDA graphs of the eager and the torch.compile'd step, against the floor
+#   bench-compiled  the engine with --cuda-graphs --compile (graphs of torch.compile's kernels) on the 8B/1B pair
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with its shipped (layers) draft, real acceptance
@@ -79,6 +80,10 @@ for s in "$@"; do
         stage compile 240 python3 -m bench run gpu --steps-only --runners graph compiled-graph --batches 1 8 32 \
             --reps 20 --warmup 3 --out "$out/gpu_compile.json"
         ;;
+    bench-compiled)
+        stage bench-compiled 360 python3 -m bench run gpu --cuda-graphs on --compile --runners graph compiled-graph \
+            --batches 1 8 32 --rates 0.8 --reps 10 --warmup 3 --new-tokens 64 --out "$out/gpu_8b_1b_compiled.json"
+        ;;
     e2e)
         stage e2e 200 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \
             --prompts 64 --max-new-tokens 64 --repeats 1 --out "$out/fast_step_gpu.json"
@@ -93,7 +98,7 @@ for s in "$@"; do
         ;;
     distill-eagle)  # docs/distill.md: the shipped EAGLE draft
         stage distill-eagle 360 python3 -m raysd distill --kind eagle --prompts "$kept/question.jsonl" --holdout-per-task 4 \
-            --code-prompts 1000 --code-windows 0,1 --temperatures 0,1 --max-new-tokens 128 --max-prompt-tokens 1024 \
+            --code-prompts 500 --code-windows 0,1 --temperatures 0,1 --max-new-tokens 128 --max-prompt-tokens 1024 \
             --gen-batch-size 256 --head-vocab 8192 --ttt-steps 3 --prompt-weight 0.5 --max-context 256 \
             --steps 6000 --max-train-seconds "${TRAIN_S_EAGLE:-200}" --lr 1e-3 --batch-tokens 16384 --warmup-steps 50 \
             --autocast bfloat16 --backend local --device cuda --save-dtype bfloat16 --output "$out/eagle"

@@ -72,6 +72,8 @@ def add_arguments(p) -> None:
     g.add_argument("--ray", action="store_true", help="also the Ray coordinator, --micro-batches")
     g.add_argument("--runners", nargs="+", default=None, choices=["dynamic", "static", "graph", "compiled-graph"],
                    help="runners whose step costs are timed (default: static dynamic, + graph on CUDA)")
+    g.add_argument("--compile", action="store_true",
+                   help="the graphed variants' forwards through torch.compile (EngineConfig/DraftModelDrafter compile)")
     g.add_argument("--steps-only", action="store_true", help="the ceilings and the runners' step costs only: no generation")
     g.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
     g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
@@ -128,18 +130,20 @@ def decode_run(generate, make) -> dict:
     return {**full, "decode_tokens_per_s": decode_tokens_per_s(full, one), "prefill_and_first_step_s": one["wall_s"]}
 
 
-def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False, engines: dict | None = None) -> dict:
+def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False, engines: dict | None = None,
+                    compile: bool = False) -> dict:
     """One SpecEngine.generate. With `engines`, the variant's engine is made on its first run and kept
     for the next (its warm-up's, then the timed ones), as a job's replica keeps one: the CUDA graphs it
     captured (per shape, the second time the shape is seen) are replayed, not captured again."""
     from raysd.engine.engine import EngineConfig, SpecEngine
 
-    key = (k, batch, rate, graphs)
+    key = (k, batch, rate, graphs, compile)
     engine = None if engines is None else engines.get(key)
     if engine is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the synthetic-acceptance warning: the variant says so
-            engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs))
+            engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs,
+                                                                compile=compile))
         if engines is not None:
             engines[key] = engine
     before = dataclasses.replace(engine.timings)
@@ -234,18 +238,19 @@ def run(a, log=print) -> Outcome:
         make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
         baselines[B] = f"AR, B={B}"
         for graphs in graph_modes:
-            tag = " graphs" if graphs else ""
+            compiled = a.compile and graphs
+            tag = (" graphs" if graphs else "") + (" compiled" if compiled else "")
             ar_name = f"AR{tag}, B={B}"
             ar = functools.partial(engine_generate, target, lambda: NoDrafter(V, device), 0, B, "real", device, graphs=graphs,
-                                   engines=engines)
-            variants.append(Variant(ar_name, {"side": "engine", "batch": B, "k": 0, "graphs": graphs},
+                                   engines=engines, compile=compiled)
+            variants.append(Variant(ar_name, {"side": "engine", "batch": B, "k": 0, "graphs": graphs, "compile": compiled},
                                     functools.partial(decode_run, ar, make), None if ar_name == baselines[B] else baselines[B],
                                     functools.partial(ar, make(4))))
             for rate in a.rates:
-                sd = functools.partial(engine_generate, target, lambda g=graphs: DraftModelDrafter(draft, V, cuda_graphs=g), K, B,
-                                       rate, device, graphs=graphs, engines=engines)
+                sd = functools.partial(engine_generate, target, lambda g=graphs, c=compiled: DraftModelDrafter(draft, V, cuda_graphs=g, compile=c),
+                                       K, B, rate, device, graphs=graphs, engines=engines, compile=compiled)
                 variants.append(Variant(f"raysd{tag} a={rate}, B={B}", {"side": "engine", "batch": B, "k": K, "rate": rate,
-                                                                         "graphs": graphs},
+                                                                         "graphs": graphs, "compile": compiled},
                                         functools.partial(decode_run, sd, make), ar_name, functools.partial(sd, make(4))))
     _, runs = run_variants(variants, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
     params = {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters())}
@@ -260,7 +265,10 @@ def run(a, log=print) -> Outcome:
     summaries = [summary(v, runs, ("tokens_per_s", "decode_tokens_per_s")) for v in variants]
     def timed(st) -> dict:  # the step costs a variant is held to: the graph replay's for a graphed one, when timed
         B = st["batch"]
-        return steps[B]["graph" if st.get("graphs") and "graph" in steps[B] else runners[0]]
+        for kind, wanted in (("compiled-graph", st.get("compile")), ("graph", st.get("graphs"))):
+            if wanted and kind in steps[B]:
+                return steps[B][kind]
+        return steps[B][runners[0]]
 
     floors, step_floors = {}, {}
     if ceiling:
@@ -271,7 +279,7 @@ def run(a, log=print) -> Outcome:
         for v in summaries:
             st = v["settings"]
             if st.get("side") == "engine" and not st["k"]:
-                B, key = st["batch"], f"{st['batch']}" + (" graphs" if st.get("graphs") else "")
+                B, key = st["batch"], f"{st['batch']}" + (" graphs" if st.get("graphs") else "") + (" compiled" if st.get("compile") else "")
                 floor = B / floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
                 got = v["median"].get("decode_tokens_per_s")
                 floors[key] = {"floor_tokens_per_s": floor, "ar_decode_tokens_per_s": got,

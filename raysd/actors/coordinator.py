@@ -109,14 +109,17 @@ class CoordinatorConfig:
     # The target's decode and verify forwards replayed as CUDA graphs captured per shape
     # (raysd.models.cuda_graphs; static runner, a GPU); a draft model's: DrafterSpec.cuda_graphs.
     cuda_graphs: bool = False
+    # The target's decode and verify forwards through torch.compile (EngineConfig.compile); a draft
+    # model's: DrafterSpec.compile.
+    compile: bool = False
     # The target borrows the draft actor's CPU threads while that actor has nothing to do: one
     # micro-batch, both actors on the CPUs of one node (SpecCoordinator.lend_threads).
     lend_draft_threads: bool = True
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        if self.cuda_graphs and self.runner == "dynamic":
-            raise ValueError("cuda_graphs needs the static runner (runner='auto' or 'static'), not 'dynamic'")
+        if (self.cuda_graphs or self.compile) and self.runner == "dynamic":
+            raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.target_tensor_parallel < 1:
             raise ValueError(f"target_tensor_parallel must be >= 1, got {self.target_tensor_parallel}")
         if self.speculation.tree_budget and self.runner == "dynamic":
@@ -288,12 +291,13 @@ class SpecCoordinator:
         resources = self.config.target_resources
         if tp == 1:
             return [self._actor(TargetActor, 0, resources, name=self._target_name).remote(
-                *self._target_args, cuda_graphs=self.config.cuda_graphs)]
+                *self._target_args, cuda_graphs=self.config.cuda_graphs, compile=self.config.compile)]
         ranks = []
         for rank in range(tp):
             named = {"name": self._target_name} if rank == 0 else {}
             cls = self._actor(TargetActor, rank, resources, max_restarts=0, **named)
-            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp), cuda_graphs=self.config.cuda_graphs))
+            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp), cuda_graphs=self.config.cuda_graphs,
+                                    compile=self.config.compile))
         return ranks
 
     def _join_group(self, timeout_s: float = 300.0) -> None:

@@ -82,6 +82,7 @@ class DrafterSpec:
     runner: str = "auto"  # the draft model's KV cache (raysd.models.runner)
     # A draft model's one-token forwards replayed as CUDA graphs (DraftModelDrafter; static runner, CUDA).
     cuda_graphs: bool = False
+    compile: bool = False  # a draft model's small forwards through torch.compile (DraftModelDrafter)
     # Draft assist (raysd.engine.draft_assist): "ngram" lets n-gram lookup draft for the draft model,
     # at most `assist_k` per draft-model step, chosen by goodput on the draft model's step costs
     # profiled in the actor at `assist_batch_sizes` (`assist_adaptive`), else always assist_k.
@@ -118,6 +119,9 @@ class DrafterSpec:
         if self.cuda_graphs and (self.model_factory is None or self.runner == "dynamic" or self.draft_assist != "none"):
             raise ValueError("cuda_graphs needs a draft model on the static runner (runner 'auto' or 'static'), "
                              "without draft assist")
+        if self.compile and (self.model_factory is None or self.runner == "dynamic" or self.draft_assist != "none"):
+            raise ValueError("compile needs a draft model on the static runner (runner 'auto' or 'static'), "
+                             "without draft assist")
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 
@@ -132,8 +136,8 @@ class DrafterSpec:
         if isinstance(model, EagleDraft):
             if self.draft_assist != "none":
                 raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs replays a draft model's forwards, not an EAGLE feature draft's")
+            if self.cuda_graphs or self.compile:
+                raise ValueError("cuda_graphs and compile take a draft model's forwards, not an EAGLE feature draft's")
             return FeatureDrafter(model, target_vocab_size, runner=self.runner)
         if self.draft_assist == "ngram":
             adaptive = AdaptiveConfig(assist_costs) if self.assist_adaptive and assist_costs is not None else None
@@ -141,7 +145,7 @@ class DrafterSpec:
                                       assist_k=self.assist_k, assist_adaptive=adaptive,
                                       min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
-                                 cuda_graphs=self.cuda_graphs)
+                                 cuda_graphs=self.cuda_graphs, compile=self.compile)
 
 
 @dataclass(frozen=True)
@@ -431,11 +435,12 @@ class TargetActor:
     call with the same arguments (the same rows, the same proposal, the same colocated drafter
     on the same tokens, the same draws), so they keep the same tokens without exchanging them.
 
-    `cuda_graphs`: the target's decode and verify forwards replayed as CUDA graphs (TargetSide; a GPU only)."""
+    `cuda_graphs`: the target's decode and verify forwards replayed as CUDA graphs (TargetSide; a GPU only);
+    `compile`: those forwards through torch.compile (TargetSide)."""
 
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
                  tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel(),
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile: bool = False):
         if drafter is not None and not drafter.colocated:
             raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
         exit_when_orphaned()
@@ -459,7 +464,7 @@ class TargetActor:
 
         def make(call: StepCall):
             target = TargetSide(self.model, call.spec, runner, features=call.feature_draft, decode=decode,
-                                cuda_graphs=cuda_graphs)
+                                cuda_graphs=cuda_graphs, compile=compile)
             if drafter is None:
                 return target
             built = drafter.build(None, self.vocab_size, self.device, suffix_index=self.suffix_index)

@@ -109,7 +109,7 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0,
-                 runner: str = "auto", cuda_graphs: bool = False):
+                 runner: str = "auto", cuda_graphs: bool = False, compile: bool = False):
         if draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
@@ -118,8 +118,10 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        # cuda_graphs: the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs).
-        self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size), cuda_graphs=cuda_graphs))
+        # cuda_graphs: the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
+        # compile: through torch.compile (StaticRunner), the graphs then capturing the compiled kernels.
+        self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size), cuda_graphs=cuda_graphs,
+                                          compile=compile))
         self.supports_trees = isinstance(self.rows.runner, StaticRunner)
         self.max_model_len = max_model_len(model)
         self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)

@@ -38,12 +38,18 @@ class EngineConfig:
     # The target's decode and verify forwards replayed as CUDA graphs captured per shape
     # (raysd.models.cuda_graphs; static runner on CUDA). A draft model's: DraftModelDrafter(cuda_graphs=True).
     cuda_graphs: bool = False
+    # The target's decode and verify forwards through torch.compile (static runner; with cuda_graphs the
+    # graphs capture Inductor's fused kernels: an 8B step 1.3x faster on an H200). A draft model's:
+    # DraftModelDrafter(compile=True).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
         check_linear_kernels(self.linear_kernels)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if (self.cuda_graphs or self.compile) and self.runner == "dynamic":
+            raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.speculation.tree_budget and self.runner == "dynamic":
             raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
 
@@ -77,7 +83,8 @@ class SpecEngine:
         self.admission = Admission.of(spec, output_vocab_size(target), limits, can_decode=tokenizer is not None)
         warn_if_lossy(spec.acceptance)
         self.target = TargetSide(target, self.admission.spec, config.runner, drafter.needs_features, config.linear_kernels,
-                                 decode=None if tokenizer is None else decoder(tokenizer), cuda_graphs=config.cuda_graphs)
+                                 decode=None if tokenizer is None else decoder(tokenizer), cuda_graphs=config.cuda_graphs,
+                                 compile=config.compile)
         if spec.tree_budget and (error := tree_support_error(drafter, self.target)):
             raise ValueError(error)
         self.draft = DraftSide(drafter, self.admission.spec, self.target.device)

@@ -37,10 +37,13 @@ class TargetSide:
     cached for good in its step (a new row's prompt first)."""
 
     def __init__(self, model: PreTrainedModel, spec: SpeculationConfig, runner: str = "auto", features: bool = False,
-                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False):
+                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
+                 compile: bool = False):
         """`decode`: token ids -> text with the target's tokenizer, for requests with stop strings;
-        `cuda_graphs`: decode and verify forwards replayed as CUDA graphs (raysd.models.cuda_graphs)."""
-        self.rows = CacheRows(make_runner(model, runner, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs))
+        `cuda_graphs`: decode and verify forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
+        `compile`: those forwards through torch.compile (StaticRunner)."""
+        self.rows = CacheRows(make_runner(model, runner, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs,
+                                          compile=compile))
         self.spec, self.acceptance = spec, str(spec.acceptance)
         self.vocab_size = self.rows.runner.vocab_size
         self.batch = Batch(spec, feature_draft=features, decode=decode)

@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cuda-graphs", action="store_true",
                    help="replay the model actors' decode, verify and drafting forwards as CUDA graphs captured per "
                         "shape (GPUs, Llama-family models; greedy output unchanged) (default: off)")
+    r.add_argument("--compile", action="store_true",
+                   help="with --cuda-graphs: those forwards through torch.compile, the graphs capturing its fused "
+                        "kernels (faster steps; a few compiles per model at the start) (default: off)")
     r.add_argument("--num-cpus-per-actor", type=_cpus_value, default=None,
                    help="CPUs (torch threads) for each model actor, or auto: on a local Ray without GPUs the machine's "
                         "cores, shared by the replicas' target and draft models (all to the target with ngram or none); "

@@ -313,7 +313,8 @@ class GenerationReplica:
                 drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
             else:
                 drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist,
-                                      cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none")
+                                      cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none",
+                                      compile=cfg.compile and cfg.draft_assist == "none")
             draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=gpus)
         else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
             drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
@@ -331,6 +332,7 @@ class GenerationReplica:
             measure_bytes=False,
             target_tensor_parallel=cfg.target_tensor_parallel,
             cuda_graphs=cfg.cuda_graphs,
+            compile=cfg.compile,
         )
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and

@@ -30,15 +30,17 @@ def check_runner_kind(kind: str) -> None:
 
 
 def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,
-                linear_kernels: str = "auto", cuda_graphs: bool = False) -> Runner:
+                linear_kernels: str = "auto", cuda_graphs: bool = False, compile: bool = False) -> Runner:
     """"auto": the static runner where the architecture supports it, else the dynamic one;
     "static" refuses an unsupported model with a clear error instead of falling back.
     `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32; "stock");
-    `cuda_graphs`: the static runner's small forwards replayed as CUDA graphs (raysd.models.cuda_graphs)."""
+    `cuda_graphs`: the static runner's small forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
+    `compile`: its small forwards through torch.compile (with `cuda_graphs`, the graphs capture the compiled kernels)."""
     check_runner_kind(kind)
     if kind == "static" or (kind == "auto" and supports_static(model)):
-        return StaticRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs)
-    if cuda_graphs:
-        raise ValueError(f"cuda_graphs needs the static runner (Llama-family models), not the dynamic one for "
+        return StaticRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs,
+                            compile=compile)
+    if cuda_graphs or compile:
+        raise ValueError(f"cuda_graphs and compile need the static runner (Llama-family models), not the dynamic one for "
                          f"{model.config.model_type!r}")
     return DynamicRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels)

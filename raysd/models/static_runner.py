@@ -26,6 +26,7 @@ models whose attention takes a 4D mask and a Cache (Llama, Qwen2, Mistral, SmolL
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -42,6 +43,10 @@ if TYPE_CHECKING:  # annotations only: a process that only coordinates never imp
     from transformers import PreTrainedModel
 
 SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: K + 1, drafting: 1)
+# Compiled graphs kept per model code, all models of a process together (dynamo's default is 8): with
+# symbolic shapes a model recompiles for T = 1 against T > 1, B = 1 against B > 1 and B against the
+# slots' count (6 in tests/models/test_static_runner.py), and a target and its draft share the code.
+COMPILES = 32
 # What one more prefill forward costs, in prompt tokens: SmolLM2-135M (fp32, two CPU cores) takes
 # 34 ms for a one-token forward and 1.1 ms per prompt token more. (On a GPU the ratio is larger:
 # splitting a prefill there costs a few extra weight reads at admission, nothing per step.)
@@ -132,8 +137,9 @@ class StaticRunner:
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
         `checks` turns on the assertions that need a host synchronisation (tests);
         `compile` runs the steps (chunks of up to SMALL_CHUNK tokens per row: decode, verify, draft) through
-        torch.compile, static shapes per (B, T, W); a prefill's shapes vary with every batch, so it runs eager;
-        with `cuda_graphs`, the compiled kernels are what each graph captures (Inductor's fusions, then no launches);
+        torch.compile with symbolic shapes: the attended width never recompiles, and the rest only where a size
+        1 or 2 or the slots' count is crossed (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
+        compiled kernels are what each graph captures (Inductor's fusions, then no launches);
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
         as CUDA graphs captured per shape (raysd.models.cuda_graphs). CUDA only."""
@@ -154,7 +160,7 @@ class StaticRunner:
         self._lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [S] cached tokens per slot
         self._num_rows = 0
         self._bound = 0  # host upper bound on max(lengths)
-        self._compiled = torch.compile(model, dynamic=False) if compile else None
+        self._compiled = torch.compile(model, dynamic=True) if compile else None
         self._packed = use_packed(model, linear_kernels) and not compile  # Inductor packs its own
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a model on a CUDA device, not {self.device}")
@@ -231,15 +237,17 @@ class StaticRunner:
         # K + 1 query tokens without copying the cache per key/value group, and without re-packing
         # each weight per product on a CPU
         with packed_gqa(self.model), linear_kernels(self.model, self._packed):
-            call = self._compiled if self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK else self.model
-            out = call(
-                input_ids=chunks,
-                attention_mask=self._mask(allowed[:, None]),
-                position_ids=positions.clamp(min=0),
-                **{cache_keyword(self.model): cache},
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+            compiled = self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK
+            call = self._compiled if compiled else self.model
+            with torch._dynamo.config.patch(recompile_limit=COMPILES) if compiled else contextlib.nullcontext():
+                out = call(
+                    input_ids=chunks,
+                    attention_mask=self._mask(allowed[:, None]),
+                    position_ids=positions.clamp(min=0),
+                    **{cache_keyword(self.model): cache},
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
         return out.logits[:, -keep:, : self.vocab_size].float()  # [B, keep, V]
 
     @torch.inference_mode()

@@ -160,19 +160,21 @@ def test_bf16_engine_over_static_runners_matches_hf_up_to_near_ties():
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_with_cuda_graphs_matches_eager(dtype):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-kernels", "compiled"])
+def test_engine_with_cuda_graphs_matches_eager(dtype, compile):
     """EngineConfig(cuda_graphs=True) and DraftModelDrafter(cuda_graphs=True): the target's decode and
     verify forwards and the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs).
     fp32 (TF32 off): tokens equal HF's exactly; bf16: within the near-tie rule, since a graph attends a
-    wider (masked) window than the eager step and SDPA may tile it differently."""
+    wider (masked) window than the eager step and SDPA may tile it differently. `compile`: the graphs
+    capture torch.compile's kernels (EngineConfig.compile, DraftModelDrafter(compile=True))."""
     target = tiny_on_device("llama", dtype=dtype)
     draft = tiny_on_device("llama", seed=3, layers=1, dtype=dtype)
     ps = make_prompts()
 
     def run(graphs: bool):
         speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,))
-        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static", cuda_graphs=graphs),
-                            EngineConfig(speculation, max_batch_size=4, runner="static", cuda_graphs=graphs))
+        engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static", cuda_graphs=graphs, compile=compile),
+                            EngineConfig(speculation, max_batch_size=4, runner="static", cuda_graphs=graphs, compile=compile))
         out = [r.token_ids for r in engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])]
         return out, engine
 

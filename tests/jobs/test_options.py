@@ -53,6 +53,7 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
         ("--logprobs-mode", "processed"): "--logprobs-mode processed needs --logprobs or --top-logprobs",
         ("--draft-dtype", "fp8"): "--draft-dtype must be one of auto, float32, bfloat16, float16, got 'fp8'",
         ("--cuda-graphs",): "--cuda-graphs replays CUDA graphs: it needs GPUs (--num-gpus-per-actor > 0)",
+        ("--compile", "--num-gpus-per-actor", "1"): "--compile compiles the forwards that --cuda-graphs captures: it needs --cuda-graphs",
     }
     for argv, message in bad.items():
         with pytest.raises(JobError) as err:
@@ -82,6 +83,32 @@ def test_cuda_graphs_reach_the_model_actors_and_refuse_a_cpu():
     for bad in ({}, {"runner": "dynamic"}, {"draft_assist": "ngram"}):
         with pytest.raises(ValueError, match="cuda_graphs needs a draft model"):
             DrafterSpec(never if bad else None, cuda_graphs=True, **bad)
+
+
+def test_compile_reaches_the_runners_and_needs_the_static_one():
+    """--compile (with --cuda-graphs) sets the target's (CoordinatorConfig, EngineConfig) and a draft model's
+    (DrafterSpec, DraftModelDrafter) compiled steps; the dynamic runner and an assisted or absent draft
+    model refuse it. Nothing compiles until a step runs (tests/gpu runs them)."""
+    from raysd.actors.coordinator import CoordinatorConfig
+    from raysd.actors.model_actors import DrafterSpec
+    from raysd.engine.drafters import NoDrafter
+
+    def never():
+        raise AssertionError("not loaded")
+
+    assert parse("--cuda-graphs", "--compile", "--num-gpus-per-actor", "1").compile
+    with pytest.raises(ValueError, match="static runner"):
+        CoordinatorConfig(runner="dynamic", compile=True)
+    with pytest.raises(ValueError, match="static runner"):
+        EngineConfig(runner="dynamic", compile=True)
+    for bad in ({}, {"runner": "dynamic"}, {"draft_assist": "ngram"}):
+        with pytest.raises(ValueError, match="compile needs a draft model"):
+            DrafterSpec(never if bad else None, compile=True, **bad)
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    engine = SpecEngine(target, NoDrafter(VOCAB), EngineConfig(compile=True))
+    assert engine.target.rows.runner._compiled is not None
+    assert DraftModelDrafter(draft, VOCAB, compile=True).rows.runner._compiled is not None
+    assert SpecEngine(target, NoDrafter(VOCAB), EngineConfig()).target.rows.runner._compiled is None
 
 
 def test_config_constants_agree_with_the_sampler():

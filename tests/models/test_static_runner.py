@@ -212,6 +212,46 @@ def test_a_decode_step_traces_as_one_graph_and_never_recompiles():
     assert graphs_over_steps(lambda: StaticRunner(model, max_cache_len=64, linear_kernels="stock")) == [2, 2, 2, 2]  # the 8-token prefill (a step's width: compiled) + one decode graph
 
 
+def test_compiled_steps_recompile_only_at_sizes_one_and_the_slots():
+    """`StaticRunner(compile=True)` traces with symbolic shapes: a job's many step shapes (row buckets,
+    chunk widths, attended widths) cost a handful of compiles, not one each, which with CUDA graphs
+    would be one per captured shape (~20 s each for an 8B model). Here 13 shapes over 7 row counts,
+    2 chunk widths and 6 attended widths make 6 graphs: T = 1 and T > 1, each for B = the slots'
+    count, 1 < B < slots, and B = 1. (A counting backend: nothing is compiled for real.)"""
+    import torch._dynamo as dynamo
+    from raysd.models.static_runner import COMPILES
+
+    model = tiny_model("llama", seed=0)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runner = StaticRunner(model, max_cache_len=1024, linear_kernels="stock", compile=True)
+    runner._compiled = torch.compile(model, backend=backend, dynamic=True)  # the runner's, counted
+    g = torch.Generator().manual_seed(1)
+    runner.add_rows(8)
+    prompt = torch.randint(3, VOCAB, (8, 40), generator=g)
+    runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(8, dtype=torch.int64))  # 40 > SMALL_CHUNK: eager
+    assert graphs == []
+    widths = set()
+    for B, T, grow in [(8, 5, 0), (8, 1, 0), (8, 5, 40), (8, 1, 40), (6, 5, 0), (6, 1, 80), (3, 5, 0), (3, 1, 100),
+                       (1, 5, 0), (1, 1, 100), (2, 5, 0), (5, 1, 0), (7, 5, 0)]:
+        if runner.num_rows > B:
+            runner.select(list(range(B)))
+        elif runner.num_rows < B:
+            runner.add_rows(B - runner.num_rows)
+        if grow:  # an eager forward that moves the attended width on
+            more = torch.randint(3, VOCAB, (B, grow), generator=g)
+            runner.forward(more, torch.ones_like(more, dtype=torch.bool), torch.ones(B, dtype=torch.int64))
+        tok = torch.randint(3, VOCAB, (B, T), generator=g)
+        runner.forward(tok, torch.ones_like(tok, dtype=torch.bool), torch.full((B,), T))
+        widths.add(runner._attended(runner._bound))
+    dynamo.reset()
+    assert len(widths) == 6 and len(graphs) == 6 <= COMPILES
+
+
 @pytest.mark.skipif(os.environ.get("RAYSD_COMPILE_TESTS") != "1", reason="inductor compile takes minutes on a CPU; RAYSD_COMPILE_TESTS=1")
 def test_torch_compile_of_the_static_runner_matches_eager():
     model = tiny_model("llama", seed=0)
