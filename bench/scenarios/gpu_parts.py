@@ -162,8 +162,6 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
     from raysd.models.dynamic_runner import DynamicRunner
     from raysd.models.static_runner import CudaGraphStep, StaticRunner
 
-    if runner_kind == "compiled-graph":  # one compile per (model, B, T, W) here: more than dynamo's default 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     runner = (DynamicRunner(model) if runner_kind == "dynamic"
               else StaticRunner(model, max_cache_len=context + 2 * width + 8, compile=runner_kind == "compiled-graph"))
     device = runner.device
