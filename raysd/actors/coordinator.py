@@ -117,9 +117,7 @@ class CoordinatorConfig:
     lend_draft_threads: bool = True
 
     def __post_init__(self) -> None:
-        check_runner_kind(self.runner)
-        if (self.cuda_graphs or self.compile) and self.runner == "dynamic":
-            raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
+        check_runner_kind(self.runner, self.cuda_graphs, self.compile)
         if self.target_tensor_parallel < 1:
             raise ValueError(f"target_tensor_parallel must be >= 1, got {self.target_tensor_parallel}")
         if self.speculation.tree_budget and self.runner == "dynamic":

@@ -116,12 +116,10 @@ class DrafterSpec:
             raise ValueError("draft_top_m needs a draft model")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if self.cuda_graphs and (self.model_factory is None or self.runner == "dynamic" or self.draft_assist != "none"):
-            raise ValueError("cuda_graphs needs a draft model on the static runner (runner 'auto' or 'static'), "
-                             "without draft assist")
-        if self.compile and (self.model_factory is None or self.runner == "dynamic" or self.draft_assist != "none"):
-            raise ValueError("compile needs a draft model on the static runner (runner 'auto' or 'static'), "
-                             "without draft assist")
+        if (self.cuda_graphs or self.compile) and (self.model_factory is None or self.runner == "dynamic"
+                                                   or self.draft_assist != "none"):
+            raise ValueError(f"{'cuda_graphs' if self.cuda_graphs else 'compile'} needs a draft model on the static runner "
+                             "(runner 'auto' or 'static'), without draft assist")
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
 

@@ -44,12 +44,10 @@ class EngineConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        check_runner_kind(self.runner)
+        check_runner_kind(self.runner, self.cuda_graphs, self.compile)
         check_linear_kernels(self.linear_kernels)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if (self.cuda_graphs or self.compile) and self.runner == "dynamic":
-            raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
         if self.speculation.tree_budget and self.runner == "dynamic":
             raise ValueError("tree drafting needs the static runner (runner='auto' or 'static'), not 'dynamic'")
 

@@ -24,9 +24,12 @@ RUNNER_KINDS: tuple[str, ...] = ("auto", "static", "dynamic")
 Runner = Union[DynamicRunner, StaticRunner]
 
 
-def check_runner_kind(kind: str) -> None:
+def check_runner_kind(kind: str, cuda_graphs: bool = False, compile: bool = False) -> None:
+    """A runner kind, and the options that only the static runner takes."""
     if kind not in RUNNER_KINDS:
         raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {kind!r}")
+    if (cuda_graphs or compile) and kind == "dynamic":
+        raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
 
 
 def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,
