@@ -272,15 +272,15 @@ def run(a, log=print) -> Outcome:
 
     floors, step_floors = {}, {}
     if ceiling:
+        floor_s = {B: floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12) for B in steps}
         for B, by_kind in steps.items():  # each runner's one-token step against the bandwidth floor's
-            floor_s = floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
-            step_floors[str(B)] = {kind: floor_s / t["target_1"]["median_s"] for kind, t in by_kind.items()}
-            log(f"B={B} step of floor ({floor_s * 1e3:.2f} ms): " + ", ".join(f"[{k}] {f:.2f}" for k, f in step_floors[str(B)].items()))
+            step_floors[str(B)] = {kind: floor_s[B] / t["target_1"]["median_s"] for kind, t in by_kind.items()}
+            log(f"B={B} step of floor ({floor_s[B] * 1e3:.2f} ms): " + ", ".join(f"[{k}] {f:.2f}" for k, f in step_floors[str(B)].items()))
         for v in summaries:
             st = v["settings"]
             if st.get("side") == "engine" and not st["k"]:
                 B, key = st["batch"], f"{st['batch']}" + (" graphs" if st.get("graphs") else "") + (" compiled" if st.get("compile") else "")
-                floor = B / floor_step_s(target_config, target_bytes, target_element, B, ctx, ceiling["copy_tb_s"] * 1e12)
+                floor = B / floor_s[B]
                 got = v["median"].get("decode_tokens_per_s")
                 floors[key] = {"floor_tokens_per_s": floor, "ar_decode_tokens_per_s": got,
                                   "of_floor": got / floor if got else None,

@@ -137,8 +137,8 @@ class StaticRunner:
         """`max_cache_len`: initial columns per row (buffers double when a row needs more);
         `checks` turns on the assertions that need a host synchronisation (tests);
         `compile` runs the steps (chunks of up to SMALL_CHUNK tokens per row: decode, verify, draft) through
-        torch.compile with symbolic shapes: the attended width never recompiles, and the rest only where a size
-        1 or 2 or the slots' count is crossed (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
+        torch.compile with symbolic shapes: the attended width never recompiles, the chunk width and the rows
+        only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
         compiled kernels are what each graph captures (Inductor's fusions, then no launches);
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
