@@ -7,7 +7,7 @@ to start Ray, then costs no torch and transformers import (a second of CPU on th
 import importlib
 
 _EXPORTS = {
-    "ActorResources": "raysd.actors.coordinator",
+    "ActorResources": "raysd.actors.launch",
     "CoordinatorConfig": "raysd.actors.coordinator",
     "RunOutput": "raysd.actors.coordinator",
     "RunReport": "raysd.actors.coordinator",

@@ -28,11 +28,11 @@ and rank 0's verdict is the step's (docs/tensor_parallel.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import threading
 import time
-import uuid
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -41,9 +41,16 @@ from typing import Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayChannelError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
+from raysd.actors.launch import (  # noqa: F401 - ActorResources: re-exported, where callers look for it
+    MAX_ACTOR_RESTARTS,
+    PLACEMENT_TIMEOUT_S,
+    ActorResources,
+    ModelActors,
+    start_model_actors,
+    start_targets,
+)
 from raysd.actors.local import exit_when_orphaned
 from raysd.actors.model_actors import (
     ActorInfo,
@@ -68,23 +75,6 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
-class ActorResources:
-    num_cpus: float = 1.0
-    num_gpus: float = 1.0  # fractions share one GPU (keep each model within its share); 0 on CPU
-
-    def __post_init__(self) -> None:
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"resources must be >= 0, got {self}")
-        if self.num_cpus == 0 and self.num_gpus == 0:
-            raise ValueError("an actor needs some CPU or GPU (a placement-group bundle cannot be empty)")
-        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
-            raise ValueError(f"num_gpus above 1 must be whole, got {self.num_gpus}")
-
-    def bundle(self) -> dict[str, float]:
-        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
-
-
-@dataclass(frozen=True)
 class CoordinatorConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     micro_batch_size: int = 8  # rows per micro-batch; waiting requests take freed slots
@@ -92,10 +82,10 @@ class CoordinatorConfig:
     draft_resources: ActorResources = ActorResources()
     target_resources: ActorResources = ActorResources()
     placement_strategy: str = "STRICT_PACK"  # both actors on one node
-    max_actor_restarts: int = 3  # Ray restarts a dead actor this many times
+    max_actor_restarts: int = MAX_ACTOR_RESTARTS  # Ray restarts a dead actor this many times
     max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
     measure_bytes: bool = True
-    placement_timeout_s: float = 180.0  # give up (with a clear error) if the actors cannot be placed
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # give up (with a clear error) if the actors cannot be placed
     runner: str = "auto"  # the target's KV cache (raysd.models.runner); the draft's is DrafterSpec.runner
     # With a model-free drafter (run inside the target actor), one call to the target actor runs up
     # to this many steps, returning after the first that retires a row (TargetActor.step): a
@@ -202,6 +192,18 @@ class _MicroBatch:
         self.rows, self.new, self.last, self.fresh, self.busy = [], [], None, True, False
 
 
+def target_build(target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig, tokenizer_factory=None,
+                 tensor_parallel: TensorParallel = TensorParallel()):
+    """How one rank's target actor (raysd.actors.launch.TargetActor) builds its TargetActor: picklable."""
+    return functools.partial(TargetActor, target_factory, config.runner, drafter if drafter.colocated else None, tokenizer_factory,
+                             tensor_parallel=tensor_parallel, cuda_graphs=config.cuda_graphs, compile=config.compile)
+
+
+def draft_build(drafter: DrafterSpec, config: CoordinatorConfig):
+    """How the draft actor (raysd.actors.launch.DraftActor) builds its DraftActor, given the target's name: picklable."""
+    return functools.partial(DraftActor, drafter, measure_bytes=config.measure_bytes)
+
+
 class SpecCoordinator:
     """Owns a placement group with one target and one draft actor, and runs requests through them.
 
@@ -212,8 +214,11 @@ class SpecCoordinator:
     """
 
     def __init__(self, target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig,
-                 tokenizer_factory=None):
-        """`tokenizer_factory`: builds the target's tokenizer in the target actor, for stop strings."""
+                 tokenizer_factory=None, actors: ModelActors | None = None):
+        """`tokenizer_factory`: builds the target's tokenizer in the target actor, for stop strings.
+        `actors`: the model actors, started ahead of this (raysd.actors.launch: a job's replica starts
+        them before it imports torch) with the builds `target_build` and `draft_build` would give;
+        None: started here. Either way this coordinator owns them (`shutdown`)."""
         exit_when_orphaned()  # this process drives the step graph (raysd.actors.local)
         if config.speculation.tree_budget and drafter.runner == "dynamic":
             raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter")
@@ -224,39 +229,20 @@ class SpecCoordinator:
         self._graph_capacity: float = 0  # its executions in flight at most
         # A model-free drafter runs inside the target actor (DrafterSpec.colocated): no draft actor.
         self.colocated = drafter.colocated
-        # Bundles 0..N-1: the target's ranks; bundle N: the draft actor, if any.
         tp = config.target_tensor_parallel
-        bundles = [config.target_resources.bundle()] * tp + ([] if self.colocated else [config.draft_resources.bundle()])
-        # STRICT_PACK asks for this process's node first (a soft hint: elsewhere if it does not fit),
-        # so the step's channels stay in shared memory (`_step_graph`).
-        self._node = ray.get_runtime_context().get_node_id()  # this process's node (`one_node`)
-        near = self._node if config.placement_strategy == "STRICT_PACK" else None
-        self.placement_group = placement_group(bundles, strategy=config.placement_strategy, _soft_target_node_id=near)
-        try:
-            ray.get(self.placement_group.ready(), timeout=config.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise RuntimeError(
-                f"could not place the draft and target actors ({bundles}, {config.placement_strategy}) within "
-                f"{config.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
-                "On a machine without GPUs use ActorResources(num_gpus=0)."
-            ) from None
-        # The target is named (uniquely) so that the draft can find it: the draft starts (and loads
-        # its model) while the target loads, then asks the target for its vocabulary size, and asks
-        # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in
-        # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
-        # Every constructor argument here is small and travels inline.
-        # Both model actors are named (the draft's name for the job's end: pipeline.remove_placement_groups
-        # kills them by name, for good, before it removes their group).
-        uid = uuid.uuid4().hex
-        self._target_name, self._draft_name = f"raysd-target-{uid}", f"raysd-draft-{uid}"
-        self._target_args = (target_factory, config.runner, drafter if self.colocated else None, tokenizer_factory)
-        self.targets = self._start_targets()  # rank 0 first: the one named, the one that reports
+        self._target_builds = [target_build(target_factory, drafter, config, tokenizer_factory, TensorParallel(rank, tp))
+                               for rank in range(tp)]
+        if actors is None:
+            actors = start_model_actors(self._target_builds, None if self.colocated else draft_build(drafter, config),
+                                        config.target_resources, config.draft_resources, config.placement_strategy,
+                                        config.placement_timeout_s, config.max_actor_restarts)
+        elif len(actors.targets) != tp or (actors.draft is None) != self.colocated:
+            raise ValueError(f"the actors started ahead ({len(actors.targets)} target rank(s), draft actor: {actors.draft is not None}) "
+                             f"do not match the config ({tp}, {not self.colocated})")
+        self.placement_group, self._node = actors.placement_group, actors.node  # `_node`: see `one_node`
+        self._target_name = actors.target_name
+        self.targets, self.draft = actors.targets, actors.draft  # rank 0 first: the one named, the one that reports
         self.can_decode = tokenizer_factory is not None
-        self.draft = None
-        if not self.colocated:
-            self.draft = self._actor(DraftActor, tp, config.draft_resources, name=self._draft_name).remote(
-                drafter, self._target_name, config.measure_bytes)
         self.target_info, self.draft_info = self._infos(timeout=None)  # all load their models first
         self._doorbell = Doorbell() if Doorbell.available() else None  # see `caller_doorbell`
         self._tickets = 0  # calls made, each one's ticket (StepCall.ticket)
@@ -281,23 +267,6 @@ class SpecCoordinator:
     def tensor_parallel(self) -> int:
         return self.config.target_tensor_parallel
 
-    def _start_targets(self) -> list:
-        """The target's actors, one per tensor-parallel rank (bundles 0..N-1). Ray restarts a lone
-        target; the ranks of a tensor-parallel one are restarted by `_restart_targets`, all together
-        and in a new group, as a rank that comes back alone cannot rejoin its peers' group."""
-        tp = self.tensor_parallel
-        resources = self.config.target_resources
-        if tp == 1:
-            return [self._actor(TargetActor, 0, resources, name=self._target_name).remote(
-                *self._target_args, cuda_graphs=self.config.cuda_graphs, compile=self.config.compile)]
-        ranks = []
-        for rank in range(tp):
-            named = {"name": self._target_name} if rank == 0 else {}
-            cls = self._actor(TargetActor, rank, resources, max_restarts=0, **named)
-            ranks.append(cls.remote(*self._target_args, tensor_parallel=TensorParallel(rank, tp), cuda_graphs=self.config.cuda_graphs,
-                                    compile=self.config.compile))
-        return ranks
-
     def _join_group(self, timeout_s: float = 300.0) -> None:
         """Set up the ranks' torch.distributed group: rank 0 picks a free port on its node, and
         every rank joins at once (each join returns when all have)."""
@@ -317,7 +286,8 @@ class SpecCoordinator:
         deadline = time.monotonic() + 60
         while True:
             try:
-                self.targets = self._start_targets()
+                self.targets = start_targets(self.placement_group, self._target_builds, self._target_name,
+                                             self.config.target_resources)
                 return
             except ValueError:  # "the name is already taken": the old rank 0 is still being removed
                 if time.monotonic() > deadline:
@@ -377,17 +347,6 @@ class SpecCoordinator:
         """The K controller's pooled evidence and the plans it chose, from the actor that plans
         the steps: the draft actor, or the target actor with a colocated drafter."""
         return ray.get((self.target if self.draft is None else self.draft).controller_state.remote())
-
-    def _actor(self, cls, bundle_index: int, resources: ActorResources, **options):
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index)
-        options = {"max_restarts": self.config.max_actor_restarts, **options}
-        return ray.remote(cls).options(
-            **options,
-            num_cpus=resources.num_cpus,
-            num_gpus=resources.num_gpus,
-            scheduling_strategy=strategy,
-            max_task_retries=0,  # a lost step is re-run from the rows' start, not retried
-        )
 
     def __enter__(self) -> "SpecCoordinator":
         return self

@@ -454,7 +454,8 @@ class TargetActor:
         self.vocab_size = output_vocab_size(self.model)
         self.colocated = drafter is not None
         # The target's tokenizer, for stop strings (decoded where the rows' state lives).
-        decode = None if tokenizer_factory is None else decoder(tokenizer_factory())
+        tokenizer = None if tokenizer_factory is None else tokenizer_factory()  # None: the target has none
+        decode = None if tokenizer is None else decoder(tokenizer)
 
         self.ringer = Ringer()  # wakes a draft actor that lent this actor its threads for a call
         self.suffix_index = None if drafter is None else SuffixIndex(drafter.suffix.max_cached_sequences,

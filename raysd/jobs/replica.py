@@ -15,13 +15,16 @@ import hashlib
 import math
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raysd.core.sampling import SamplingParams
 from raysd.core.stats import SpecDecodeStats
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.schema import num_samples_of
 from raysd.models.names import SUFFIX
+
+if TYPE_CHECKING:  # this module imports no torch: a replica starts its model actors before it does (GenerationReplica)
+    from raysd.actors.launch import ModelActors
+    from raysd.core.sampling import SamplingParams
 
 _MAX_SEED = 2**63 - 1
 
@@ -109,6 +112,8 @@ def _row_stop(value, default: tuple[str, ...]) -> tuple[tuple[str, ...] | None, 
 def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, int, str | None]:
     """(params, seed, None) or (None, seed, why not): the job's values with the row's overrides
     (OVERRIDE_COLUMNS), for the row's sample 0 (`sample_seed` gives the others' seeds)."""
+    from raysd.core.sampling import SamplingParams
+
     seed = row.get("seed")
     if seed is None:
         seed = row_seed(cfg.seed, row["id"])
@@ -232,6 +237,82 @@ def load_eagle_on_actor_device(name: str, target_spec, dtype: str):
     return load_eagle_for(name, dataclasses.replace(target_spec, device=str(assigned_device())), dtype)
 
 
+def actor_resources(cfg: GenerateConfig):
+    """(target, draft) ActorResources of a job's replica. A model-free drafter takes no GPU."""
+    from raysd.actors.launch import ActorResources
+
+    target_cpus, draft_cpus = cfg.actor_cpus
+    gpus = cfg.num_gpus_per_actor
+    return (ActorResources(num_cpus=target_cpus, num_gpus=gpus),
+            ActorResources(num_cpus=draft_cpus, num_gpus=gpus if cfg.draft_is_model else 0))
+
+
+def actor_args(cfg: GenerateConfig, stop_strings: bool):
+    """(target factory, drafter, coordinator config, tokenizer factory): what a job's SpecCoordinator
+    and its model actors are made of. The replica builds its coordinator from them, and each model
+    actor it starts ahead builds itself from them (`job_target_actor`, `job_draft_actor`), as the
+    coordinator would have built it. The tokenizer factory: for stop strings (None without)."""
+    from raysd.actors import CoordinatorConfig, DrafterSpec
+    from raysd.models.loading import ModelSpec, draft_kind, load_tokenizer
+
+    target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code,
+                            allow_pickle_weights=cfg.allow_pickle_weights)
+    if cfg.draft_is_model:
+        draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
+                               allow_pickle_weights=cfg.allow_pickle_weights)
+        if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
+            drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
+        else:
+            drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist,
+                                  cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none",
+                                  compile=cfg.compile and cfg.draft_assist == "none")
+    else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
+        drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
+    target_res, draft_res = actor_resources(cfg)
+    # Adaptive K waits for its step costs (GenerationReplica, once the models have loaded).
+    ccfg = CoordinatorConfig(
+        dataclasses.replace(cfg.speculation, adaptive=None),
+        # One micro-batch until the step costs say two pay: a model-free drafter has nothing to
+        # overlap, and halving the batch would only slow the target.
+        micro_batch_size=cfg.batch_size,
+        num_micro_batches=1,
+        draft_resources=draft_res,
+        target_resources=target_res,
+        placement_strategy=cfg.placement_strategy,
+        measure_bytes=False,
+        target_tensor_parallel=cfg.target_tensor_parallel,
+        cuda_graphs=cfg.cuda_graphs,
+        compile=cfg.compile,
+    )
+    load_target = load_on_actor_host if cfg.target_tensor_parallel > 1 else load_on_actor_device
+    tokenizer_factory = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code) if stop_strings else None
+    return functools.partial(load_target, target_spec), drafter, ccfg, tokenizer_factory
+
+
+def job_target_actor(cfg: GenerateConfig, stop_strings: bool):
+    """A job's target actor (raysd.actors.model_actors.TargetActor), built in its own process."""
+    from raysd.actors.coordinator import target_build
+
+    target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, stop_strings)
+    return target_build(target_factory, drafter, ccfg, tokenizer_factory)()
+
+
+def job_draft_actor(cfg: GenerateConfig, target_name: str):
+    """A job's draft actor (raysd.actors.model_actors.DraftActor), built in its own process."""
+    from raysd.actors.coordinator import draft_build
+
+    _, drafter, ccfg, _ = actor_args(cfg, False)
+    return draft_build(drafter, ccfg)(target_name)
+
+
+def _release(actors: ModelActors) -> None:
+    """Model actors started ahead of a coordinator that was never made: their group removed, and
+    with it the actors in it (again, if a coordinator that failed to start removed it already)."""
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(actors.placement_group)
+
+
 class _LiveCounts:
     """Samples finished since the progress reporter last took them (rows, tokens, drafts,
     accepts), counted as each one's future completes, so the driver's progress line moves during
@@ -283,12 +364,49 @@ class GenerationReplica:
                  stop_strings: bool | None = None):
         """`stop_strings`: rows may ask for stop strings (--stop, or an input `stop` column), so the
         target actor builds the target's tokenizer (None: from cfg.stop alone)."""
-        from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
-        from raysd.models.loading import ModelSpec, draft_kind, load_tokenizer
+        from raysd.actors.launch import start_model_actors
 
         started = time.perf_counter()
         self.cfg = cfg
         self.K = cfg.effective_num_speculative_tokens
+        if stop_strings is None:
+            stop_strings = bool(cfg.stop)
+        # The model actors first: this process has not imported torch yet (raysd.actors.launch), and
+        # imports it and the engine below while they import theirs and load their models. A
+        # tensor-parallel target's ranks are started by the coordinator, which restarts them together.
+        actors = None
+        if cfg.target_tensor_parallel == 1:
+            target_res, draft_res = actor_resources(cfg)
+            actors = start_model_actors([functools.partial(job_target_actor, cfg, stop_strings)],
+                                        functools.partial(job_draft_actor, cfg) if cfg.draft_is_model else None,
+                                        target_res, draft_res, cfg.placement_strategy)
+        try:
+            self._start(cfg, stop_strings, actors)
+        except BaseException:
+            if actors is not None and getattr(self, "coordinator", None) is None:
+                _release(actors)
+            raise
+        self.metrics = _Metrics(cfg, replica)
+        self.live = _LiveCounts()  # samples finished, for the driver's progress line (taken by the stage)
+        # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
+        # block take slots as soon as rows of the last one free them. Bounded: by default three
+        # batches' rows queued or running (the Ray Data stage keeps about that many blocks inside).
+        ccfg = self.coordinator.config
+        self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
+        self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
+        self._reported: dict = {}
+        self._sources: dict[str, int] = {}  # a suffix drafter's drafts by source, as last reported
+        self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
+        self._report_lock = threading.Lock()
+        # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
+        # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
+        self._tokenizer_lock = threading.Lock()
+
+    def _start(self, cfg: GenerateConfig, stop_strings: bool, actors: ModelActors | None) -> None:
+        """The tokenizer and the coordinator (on `actors`, or starting its own), then the step costs."""
+        from raysd.actors import SpecCoordinator
+        from raysd.models.loading import load_tokenizer
+
         tokenizer_box: dict = {}
 
         def load_tok():  # overlaps the model actors' loading
@@ -302,52 +420,17 @@ class GenerationReplica:
 
         thread = threading.Thread(target=load_tok, daemon=True)
         thread.start()
-        gpus = cfg.num_gpus_per_actor
-        target_cpus, draft_cpus = cfg.actor_cpus
-        target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code,
-                                allow_pickle_weights=cfg.allow_pickle_weights)
-        if cfg.draft_is_model:
-            draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
-                                    allow_pickle_weights=cfg.allow_pickle_weights)
-            if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
-                drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
-            else:
-                drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist,
-                                      cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none",
-                                      compile=cfg.compile and cfg.draft_assist == "none")
-            draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=gpus)
-        else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
-            drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
-            draft_res = ActorResources(num_cpus=draft_cpus, num_gpus=0)
-        # Adaptive K waits for its step costs (measured below, once the models have loaded).
-        ccfg = CoordinatorConfig(
-            dataclasses.replace(cfg.speculation, adaptive=None),
-            # One micro-batch until the step costs say two pay (below): a model-free drafter has
-            # nothing to overlap, and halving the batch would only slow the target.
-            micro_batch_size=cfg.batch_size,
-            num_micro_batches=1,
-            draft_resources=draft_res,
-            target_resources=ActorResources(num_cpus=target_cpus, num_gpus=gpus),
-            placement_strategy=cfg.placement_strategy,
-            measure_bytes=False,
-            target_tensor_parallel=cfg.target_tensor_parallel,
-            cuda_graphs=cfg.cuda_graphs,
-            compile=cfg.compile,
-        )
+        target_factory, drafter, ccfg, _ = actor_args(cfg, stop_strings)
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and
         # only if the target has one (known once this replica's own copy has loaded: without one,
         # such rows become error rows, "stop strings need the target's tokenizer").
-        if stop_strings is None:
-            stop_strings = bool(cfg.stop)
         tokenizer_factory = None
         if stop_strings:
             thread.join()
             if tokenizer_box.get("tok") is not None:
                 tokenizer_factory = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
-        load_target = load_on_actor_host if cfg.target_tensor_parallel > 1 else load_on_actor_device
-        self.coordinator = SpecCoordinator(functools.partial(load_target, target_spec), drafter, ccfg,
-                                           tokenizer_factory=tokenizer_factory)
+        self.coordinator = SpecCoordinator(target_factory, drafter, ccfg, tokenizer_factory=tokenizer_factory, actors=actors)
         thread.join()
         if "error" in tokenizer_box:
             raise tokenizer_box["error"]
@@ -389,23 +472,9 @@ class GenerationReplica:
                 if cfg.adaptive_speculation:
                     adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
         speculation = dataclasses.replace(cfg.speculation, eos_token_ids=eos, adaptive=adaptive)
-        self.coordinator.config = ccfg = dataclasses.replace(
+        self.coordinator.config = dataclasses.replace(
             self.coordinator.config, speculation=speculation, micro_batch_size=math.ceil(cfg.batch_size / micro),
             num_micro_batches=micro)
-        self.metrics = _Metrics(cfg, replica)
-        self.live = _LiveCounts()  # samples finished, for the driver's progress line (taken by the stage)
-        # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
-        # block take slots as soon as rows of the last one free them. Bounded: by default three
-        # batches' rows queued or running (the Ray Data stage keeps about that many blocks inside).
-        self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
-        self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
-        self._reported: dict = {}
-        self._sources: dict[str, int] = {}  # a suffix drafter's drafts by source, as last reported
-        self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
-        self._report_lock = threading.Lock()
-        # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
-        # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
-        self._tokenizer_lock = threading.Lock()
 
     def shutdown(self) -> None:
         try:

@@ -89,3 +89,26 @@ def test_names_agree_with_the_loaders():
     assert loading.draft_kind is names.draft_kind
     assert [names.draft_kind(n) for n in ("none", "ngram", loading.DEFAULT_DRAFT, loading.DEFAULT_EAGLE, "some/model")] == \
         ["none", "ngram", "layers", "eagle", "model"]
+
+
+START_AHEAD = """
+import functools, pickle, sys
+from raysd.actors.launch import DraftActor, TargetActor, start_model_actors
+from raysd.jobs import GenerateConfig
+from raysd.jobs.replica import actor_resources, job_draft_actor, job_target_actor
+for draft in ("none", "smollm2-135m-instruct-draft"):
+    cfg = GenerateConfig(input="in.jsonl", output="out", draft=draft).resolve_actor_cpus(2)
+    resources = actor_resources(cfg)
+    pickle.dumps((TargetActor, DraftActor, functools.partial(job_target_actor, cfg, True), functools.partial(job_draft_actor, cfg)))
+print(",".join(m for m in ("torch", "transformers") if m in sys.modules) or "light")
+"""
+
+
+def test_a_replica_starts_its_model_actors_before_it_imports_torch():
+    """What a replica needs to start its model actors (raysd.actors.launch: the placement group,
+    the actors' Ray classes, their resources and how each builds itself from the job's config)
+    imports no torch, so the actors import theirs and load their models while the replica imports
+    its own (~2 s on a 2-core machine, before, on the path to the first token)."""
+    out = subprocess.run([sys.executable, "-c", START_AHEAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "light", out.stdout

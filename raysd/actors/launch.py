@@ -1,0 +1,179 @@
+"""A replica's placement group and model actors, started by a process that need not import torch.
+
+The model actors' Ray classes here are hosts: each builds its actor (raysd.actors.model_actors:
+TargetActor, DraftActor) in its own process from a picklable `build` callable and forwards every
+call to it, as vLLM's RayWorkerWrapper hosts its worker. Nothing here imports torch, so a job's
+replica (raysd.jobs.replica) starts its model actors first and imports torch and the engine while
+they import theirs and load their models: on a fresh replica the two imports overlap instead of
+running one after the other. `SpecCoordinator` starts its actors through here too (one way to
+start them), and takes actors started ahead of it (`ModelActors`).
+
+The hosts keep the actors' class names, which Ray shows (`ray::TargetActor`) and which the chaos
+tests and the soak look processes up by.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raysd.actors.local import exit_when_orphaned
+
+PLACEMENT_TIMEOUT_S = 180.0  # CoordinatorConfig.placement_timeout_s's default
+MAX_ACTOR_RESTARTS = 3  # CoordinatorConfig.max_actor_restarts's default
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    num_cpus: float = 1.0
+    num_gpus: float = 1.0  # fractions share one GPU (keep each model within its share); 0 on CPU
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"resources must be >= 0, got {self}")
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError("an actor needs some CPU or GPU (a placement-group bundle cannot be empty)")
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"num_gpus above 1 must be whole, got {self.num_gpus}")
+
+    def bundle(self) -> dict[str, float]:
+        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+
+
+class TargetActor:
+    """Ray's class for a target actor: `build()` makes raysd.actors.model_actors.TargetActor in this
+    process (and again on Ray's restart of it); each method is that actor's."""
+
+    def __init__(self, build: Callable[[], object]):
+        self.actor = build()
+
+    def group_address(self):
+        return self.actor.group_address()
+
+    def join_group(self, address, port, timeout_s=300.0):
+        return self.actor.join_group(address, port, timeout_s)
+
+    def time_steps(self, batch_sizes, k_max, context, reps):
+        return self.actor.time_steps(batch_sizes, k_max, context, reps)
+
+    def info(self):
+        return self.actor.info()
+
+    def get_vocab_size(self):
+        return self.actor.get_vocab_size()
+
+    def controller_state(self):
+        return self.actor.controller_state()
+
+    def draft_sources(self):
+        return self.actor.draft_sources()
+
+    def step(self, call, proposed=None):
+        return self.actor.step(call, proposed)
+
+
+class DraftActor:
+    """Ray's class for a draft actor: `build(target_name)` makes raysd.actors.model_actors.DraftActor,
+    which asks the named target actor for its vocabulary size; each method is that actor's."""
+
+    def __init__(self, build: Callable[[str], object], target_name: str):
+        self.actor = build(target_name)
+
+    def time_steps(self, batch_sizes, context, reps):
+        return self.actor.time_steps(batch_sizes, context, reps)
+
+    def info(self):
+        return self.actor.info()
+
+    def controller_state(self):
+        return self.actor.controller_state()
+
+    def draft_sources(self):
+        return self.actor.draft_sources()
+
+    def transfer_stats(self):
+        return self.actor.transfer_stats()
+
+    def propose(self, call):
+        return self.actor.propose(call)
+
+    def rest(self, proposed):
+        return self.actor.rest(proposed)
+
+
+@dataclass
+class ModelActors:
+    """A replica's placement group (bundles 0..N-1: the target's ranks; bundle N: the draft actor,
+    if any) and its model actors, as `start_model_actors` started them."""
+
+    placement_group: PlacementGroup
+    node: str  # the node of the process that started them (the step graph's driver)
+    targets: list  # one handle per tensor-parallel rank; rank 0 named `target_name`
+    draft: object | None
+    target_name: str
+    draft_name: str
+
+
+def start_model_actors(target_builds: Sequence[Callable[[], object]], draft_build: Callable[[str], object] | None,
+                       target_resources: ActorResources, draft_resources: ActorResources, strategy: str,
+                       timeout_s: float = PLACEMENT_TIMEOUT_S, max_restarts: int = MAX_ACTOR_RESTARTS) -> ModelActors:
+    """Place the bundles, then start the target's ranks (one build each) and the draft actor
+    (`draft_build`, None for none); returns at once, while they import and load their models."""
+    exit_when_orphaned()  # this process owns the actors (raysd.actors.local)
+    tp = len(target_builds)
+    bundles = [target_resources.bundle()] * tp + ([] if draft_build is None else [draft_resources.bundle()])
+    # STRICT_PACK asks for this process's node first (a soft hint: elsewhere if it does not fit),
+    # so the step's channels stay in shared memory (SpecCoordinator._step_graph).
+    node = ray.get_runtime_context().get_node_id()
+    group = placement_group(bundles, strategy=strategy, _soft_target_node_id=node if strategy == "STRICT_PACK" else None)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"could not place the draft and target actors ({bundles}, {strategy}) within "
+            f"{timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
+            "On a machine without GPUs use ActorResources(num_gpus=0)."
+        ) from None
+    # The target is named (uniquely) so that the draft can find it: the draft starts (and loads
+    # its model) while the target loads, then asks the target for its vocabulary size, and asks
+    # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in
+    # the object store, and cannot promise them to a restarted actor (ray-project/ray#53727).
+    # Every constructor argument here is small and travels inline. Both model actors are named
+    # (the draft's name for the job's end: pipeline.remove_placement_groups kills them by name,
+    # for good, before it removes their group).
+    uid = uuid.uuid4().hex
+    target_name, draft_name = f"raysd-target-{uid}", f"raysd-draft-{uid}"
+    targets = start_targets(group, target_builds, target_name, target_resources, max_restarts)
+    draft = None
+    if draft_build is not None:
+        draft = _options(DraftActor, group, tp, draft_resources, max_restarts, name=draft_name).remote(draft_build, target_name)
+    return ModelActors(group, node, targets, draft, target_name, draft_name)
+
+
+def start_targets(group: PlacementGroup, builds: Sequence[Callable[[], object]], name: str, resources: ActorResources,
+                  max_restarts: int = MAX_ACTOR_RESTARTS) -> list:
+    """The target's actors in bundles 0..N-1, rank 0 named. Ray restarts a lone target; the ranks of a
+    tensor-parallel one are not restarted by Ray (SpecCoordinator restarts all of them together, in
+    a new group: a rank that comes back alone cannot rejoin its peers' group)."""
+    if len(builds) > 1:
+        max_restarts = 0
+    return [_options(TargetActor, group, rank, resources, max_restarts, **({"name": name} if rank == 0 else {})).remote(build)
+            for rank, build in enumerate(builds)]
+
+
+def _options(cls, group: PlacementGroup, bundle_index: int, resources: ActorResources, max_restarts: int, **options):
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index)
+    return ray.remote(cls).options(
+        **options,
+        max_restarts=max_restarts,
+        num_cpus=resources.num_cpus,
+        num_gpus=resources.num_gpus,
+        scheduling_strategy=strategy,
+        max_task_retries=0,  # a lost step is re-run from the rows' start, not retried
+    )
