@@ -205,6 +205,10 @@ def _footer_readers(num_files: int):
     if key in os.environ:
         yield
         return
+    try:  # its module reads the variable for its own default when first imported: not while it is set here
+        import ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer  # noqa: F401
+    except ImportError:  # another Ray Data layout: the variable is all there is to go by
+        pass
     os.environ[key] = str(min(_MAX_FOOTER_READERS, max(1, -(-num_files // _FOOTERS_PER_READER))))
     try:
         yield

@@ -243,6 +243,22 @@ def test_a_parquet_read_starts_footer_readers_for_its_files_not_32(monkeypatch):
     assert os.environ[key] == "5"
 
 
+FIRST_READ = """
+from raysd.jobs.io import _footer_readers
+with _footer_readers(1):  # a job's read in a process that had not imported Ray Data's Parquet indexer yet
+    from ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer import FooterFileIndexer
+print(FooterFileIndexer(ignore_missing_paths=False)._num_actors)
+"""
+
+
+def test_a_jobs_parquet_read_leaves_ray_datas_default_as_it_was():
+    """The indexer's module takes its default from the variable when first imported: a job's read
+    that imports it must not make one reader the default of every later read in the process."""
+    out = subprocess.run([sys.executable, "-c", FIRST_READ], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "32"
+
+
 def test_the_targets_eos_comes_from_its_model_then_its_tokenizer():
     class Tok:
         eos_token_id = 7
