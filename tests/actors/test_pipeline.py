@@ -260,26 +260,6 @@ def test_top_m_draft_keeps_the_target_distribution():
     assert out.report.transfer.sparse_steps == out.report.transfer.steps
 
 
-@pytest.mark.parametrize("micro_batches", [2, 1])
-def test_killed_actors_rerun_their_rows(random_draft, micro_batches):
-    """SIGKILL the target mid-run, then the draft mid-run: Ray restarts each, the
-    rows in flight re-run from their start, every request yields one correct result. With one
-    micro-batch the draft actor lends its threads and sleeps on its doorbell through each target
-    call (raysd.actors.turns): a target killed meanwhile never rings, and the draft wakes at its timeout."""
-    reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
-    clean = _tokens(random_draft.generate(reqs).results)
-    with _coordinator(DrafterSpec(factory("llama", 1)), micro_batches=micro_batches) as c:
-        for actor in (c.target, c.draft):
-            pid = ray.get(actor.info.remote()).pid
-            out = kill_mid_generate(c, reqs, pid, timeout_s=150)
-            assert out.report.recoveries >= 1
-            assert ray.get(actor.info.remote()).pid != pid  # restarted
-            assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
-            assert _tokens(out.results) == clean
-            assert all(len(r.token_ids) == 24 for r in out.results)
-            assert (out.report.borrowed_steps > 0) == (micro_batches == 1)
-
-
 def test_auto_speculation_length_through_the_actors(random_draft):
     """Step costs profiled in the actors drive the per-step K; greedy output is unchanged."""
     import dataclasses
@@ -445,27 +425,6 @@ def test_stream_backpressure_and_one_loop_at_a_time(random_draft):
         stream.submit(reqs[3])
 
 
-def test_killed_actor_mid_stream_reruns_its_rows_once(random_draft):
-    """SIGKILL the target while a stream runs: Ray restarts it, the rows in flight re-run from their
-    start, every future gets exactly one result with the clean tokens, and the stream goes on."""
-    reqs = requests(random_prompts(12, seed=10), max_new_tokens=24, ignore_eos=True)
-    clean = {r.request_id: r.token_ids for r in random_draft.generate(reqs).results}
-    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
-        pid = ray.get(c.target.info.remote()).pid
-        with c.stream(max_pending=8) as stream:
-            futures = [stream.submit(r) for r in reqs[:6]]
-            deadline = time.monotonic() + 60
-            while c.steps_completed < 4 and time.monotonic() < deadline:
-                time.sleep(0.002)
-            os.kill(pid, signal.SIGKILL)
-            futures += [stream.submit(r) for r in reqs[6:]]
-            got = [f.result(timeout=200).result for f in futures]
-            assert stream.totals()["recoveries"] >= 1
-        assert ray.get(c.target.info.remote()).pid != pid
-    assert [r.request_id for r in got] == [r.request_id for r in reqs]
-    assert {r.request_id: r.token_ids for r in got} == clean
-
-
 def test_draft_actor_constructor_args_are_inline(random_draft):
     """No ObjectRef among the model actors' constructor arguments: Ray warns that such an actor's
     restart can fail (ray-project/ray#53727). The draft asks the target for its vocabulary itself.
@@ -522,3 +481,57 @@ def test_plain_decoding_never_asks_the_draft_actor():
     target = tiny_model("llama", 0)
     assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 9) for r in reqs]
     assert out.report.steps > 0 and out.report.draft_steps == 0 and out.report.draft_busy_s == 0
+
+
+# The kill tests come last and run on `random_draft` itself: they check that the same coordinator
+# gives the tokens it gave before its actors were killed, and the module's other tests keep actors
+# that were never restarted. Three target kills and two draft kills in all: within the actors'
+# max_actor_restarts (3), so each kill below is a real restart. A coordinator of their own each
+# cost three more coordinator starts (actors, models, compiled graph) for the same checks.
+
+
+@pytest.mark.parametrize("micro_batches", [2, 1])
+def test_killed_actors_rerun_their_rows(random_draft, micro_batches):
+    """SIGKILL the target mid-run, then the draft mid-run: Ray restarts each, the
+    rows in flight re-run from their start, every request yields one correct result. With one
+    micro-batch the draft actor lends its threads and sleeps on its doorbell through each target
+    call (raysd.actors.turns): a target killed meanwhile never rings, and the draft wakes at its timeout."""
+    reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
+    c, plain = random_draft, random_draft.config
+    clean = _tokens(c.generate(reqs).results)
+    c.config = dataclasses.replace(plain, num_micro_batches=micro_batches)  # `config` may change between calls
+    try:
+        assert c.lend_threads == (micro_batches == 1)
+        for actor in (c.target, c.draft):
+            pid = ray.get(actor.info.remote()).pid
+            out = kill_mid_generate(c, reqs, pid, timeout_s=150)
+            assert out.report.recoveries >= 1
+            assert ray.get(actor.info.remote()).pid != pid  # restarted
+            assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
+            assert _tokens(out.results) == clean
+            assert all(len(r.token_ids) == 24 for r in out.results)
+            assert (out.report.borrowed_steps > 0) == (micro_batches == 1)
+    finally:
+        c.config = plain
+
+
+def test_killed_actor_mid_stream_reruns_its_rows_once(random_draft):
+    """SIGKILL the target while a stream runs: Ray restarts it, the rows in flight re-run from their
+    start, every future gets exactly one result with the clean tokens, and the stream goes on."""
+    reqs = requests(random_prompts(12, seed=10), max_new_tokens=24, ignore_eos=True)
+    c = random_draft
+    clean = {r.request_id: r.token_ids for r in c.generate(reqs).results}
+    pid = ray.get(c.target.info.remote()).pid
+    with c.stream(max_pending=8) as stream:
+        futures = [stream.submit(r) for r in reqs[:6]]
+        deadline = time.monotonic() + 60
+        start = c.steps_completed
+        while c.steps_completed < start + 4 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+        futures += [stream.submit(r) for r in reqs[6:]]
+        got = [f.result(timeout=200).result for f in futures]
+        assert stream.totals()["recoveries"] >= 1
+    assert ray.get(c.target.info.remote()).pid != pid
+    assert [r.request_id for r in got] == [r.request_id for r in reqs]
+    assert {r.request_id: r.token_ids for r in got} == clean
