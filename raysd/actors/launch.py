@@ -116,7 +116,6 @@ class ModelActors:
     targets: list  # one handle per tensor-parallel rank; rank 0 named `target_name`
     draft: object | None
     target_name: str
-    draft_name: str
 
 
 def start_model_actors(target_builds: Sequence[Callable[[], object]], draft_build: Callable[[str], object] | None,
@@ -153,7 +152,7 @@ def start_model_actors(target_builds: Sequence[Callable[[], object]], draft_buil
     draft = None
     if draft_build is not None:
         draft = _options(DraftActor, group, tp, draft_resources, max_restarts, name=draft_name).remote(draft_build, target_name)
-    return ModelActors(group, node, targets, draft, target_name, draft_name)
+    return ModelActors(group, node, targets, draft, target_name)
 
 
 def start_targets(group: PlacementGroup, builds: Sequence[Callable[[], object]], name: str, resources: ActorResources,

@@ -420,16 +420,15 @@ class GenerationReplica:
 
         thread = threading.Thread(target=load_tok, daemon=True)
         thread.start()
-        target_factory, drafter, ccfg, _ = actor_args(cfg, stop_strings)
+        target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, stop_strings)
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and
         # only if the target has one (known once this replica's own copy has loaded: without one,
         # such rows become error rows, "stop strings need the target's tokenizer").
-        tokenizer_factory = None
-        if stop_strings:
+        if tokenizer_factory is not None:
             thread.join()
-            if tokenizer_box.get("tok") is not None:
-                tokenizer_factory = functools.partial(load_tokenizer, cfg.target, cfg.trust_remote_code)
+            if tokenizer_box.get("tok") is None:
+                tokenizer_factory = None
         self.coordinator = SpecCoordinator(target_factory, drafter, ccfg, tokenizer_factory=tokenizer_factory, actors=actors)
         thread.join()
         if "error" in tokenizer_box:
