@@ -492,16 +492,21 @@ class SpecCoordinator:
         spec = self.admission.spec if mb.fresh else None
         self._tickets += 1
         bell = self.caller_doorbell
+        graph = self._step_graph()
+        # The target sleeps through the drafting of a call the draft lends its threads to, where the
+        # step graph has it wait (`_step_graph`; actor tasks never spin).
+        awaits = self.lend_threads and not isinstance(graph, _TaskStep)
         # max_steps: a colocated drafter's steps per call, or a draft actor's plain run (Proposed.steps).
         target_call = StepCall(mb.mb_id, spec, None, tuple(mb.new), self.draft_info.feature_draft,
                                self.config.max_steps_per_call, 0.0, self.device_channel,
-                               caller_doorbell=None if bell is None else bell.address, ticket=self._tickets)
+                               caller_doorbell=None if bell is None else bell.address, ticket=self._tickets,
+                               proposal_doorbell=self.target_info.doorbell if awaits else None)
         if self.draft is None:
-            ref = self._step_graph().execute(target_call)
+            ref = graph.execute(target_call)
         else:
             draft_call = dataclasses.replace(target_call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s,
                                              last_steps=mb.last_steps, lend_threads=self.lend_threads)
-            ref = self._step_graph().execute(draft_call, target_call)
+            ref = graph.execute(draft_call, target_call)
         admitted = bool(mb.new)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter(), admitted, self._tickets
@@ -558,7 +563,10 @@ class SpecCoordinator:
                     proposed = self.draft.propose.bind(calls[0])
                     if self.device_channel:  # the proposal's device tensors travel GPU to GPU (NCCL)
                         proposed = proposed.with_tensor_transport(transport="nccl")
-                    outs = [t.step.bind(calls[1], proposed) for t in self.targets]
+                    target_call = calls[1]
+                    if self.can_lend:  # through a lent call the target sleeps until the proposal is ready
+                        target_call = self.target.await_proposal.bind(target_call)
+                    outs = [t.step.bind(target_call, proposed) for t in self.targets]
                     if self.can_lend:  # after proposing, the draft actor sleeps through a call it lent threads to
                         outs.append(self.draft.rest.bind(proposed))
                 out = outs[0] if len(outs) == 1 else MultiOutputNode(outs)

@@ -73,6 +73,9 @@ class TargetActor:
     def draft_sources(self):
         return self.actor.draft_sources()
 
+    def await_proposal(self, call):
+        return self.actor.await_proposal(call)
+
     def step(self, call, proposed=None):
         return self.actor.step(call, proposed)
 

@@ -54,9 +54,15 @@ def encode_proposal(proposal: Proposal, encoding: ProbsEncoding = "auto") -> Wir
     ids, num, probs = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs
     B, K, V = probs.shape
     drafted = torch.arange(K, device=probs.device)[None, :] < num[:, None]  # [B, K]
-    probs = torch.where(drafted[..., None], probs, 0.0)  # [B, K, V]
     wire_ids = ids.to(torch.int32).cpu().numpy()
     wire_num = num.to(torch.int32).cpu().numpy()
+    if proposal.one_hot and encoding != "dense" and K:
+        # One entry per position, 1 at the draft token (0 past a row's drafts): what the general
+        # path below finds with two passes over [B, K, V] (1.3 ms a step at B = 8, K = 4, V = 8192
+        # on one Xeon thread), read from the tokens instead.
+        value = drafted.float()[..., None].cpu().numpy()  # [B, K, 1]
+        return WireProposal(wire_ids, wire_num, V, index=wire_ids[..., None].copy(), value=value)
+    probs = torch.where(drafted[..., None], probs, 0.0)  # [B, K, V]
     M = int((probs > 0).sum(dim=-1).max()) if probs.numel() else 0  # most nonzeros at any position
     sparse_smaller = M * 8 < V * 4  # int32 index + float32 value per kept entry
     if encoding == "dense" or (encoding == "auto" and not sparse_smaller):

@@ -8,7 +8,8 @@ channel read spins (sched_yield in PlasmaObjectHeader::ReadAcquire), and a spinn
 a two-thread product makes it slower than one thread alone (2 cores, the fast-step target's decode
 step: B = 8 9.3 ms against 6.6 ms on one thread and 5.3 ms on two; B = 32 12.5, 11.2, 8.0 ms).
 So the draft actor blocks on a `Doorbell` (a datagram socket: no spinning, no polling) until the
-target `ring`s it at the call's end, and only then goes back to the channel.
+target `ring`s it at the call's end, and only then goes back to the channel. The target likewise
+sleeps on its own through the draft's proposing, until the draft rings that its proposal is ready.
 
 The replica's coordinator waits the same way for each call's result (`Doorbell.wait_for`): the
 target rings it with the call's ticket when the call ends, so the coordinator's process sleeps

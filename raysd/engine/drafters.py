@@ -35,6 +35,10 @@ class Proposal:
     num_draft_tokens: torch.Tensor  # [B] int64
     draft_probs: torch.Tensor  # [B, K, V] the distribution each draft was drawn from
     num_draft_host: tuple[int, ...] | None = None  # num_draft_tokens on the host, when the drafter knows it
+    # Every drafted position's draft_probs is one-hot at its draft token (greedy rows only, or a
+    # deterministic drafter): what crosses to a target actor is then the tokens alone, without
+    # reading the [B, K, V] tensor (raysd.actors.transport.encode_proposal).
+    one_hot: bool = False
 
     @staticmethod
     def empty(batch_size: int, vocab_size: int, device) -> "Proposal":
@@ -152,7 +156,8 @@ class DraftModelDrafter(Drafter):
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
                 logits = self.rows.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = host_to_device(list(max_drafts), torch.int64, device)
-        return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
+        return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts),
+                        one_hot=sampling.all_greedy)
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
         """After a tree: the tokens each row emitted and the tree nodes its accepted path went through."""
@@ -287,7 +292,7 @@ class NgramDrafter(Drafter):
             return Proposal.empty(B, self.vocab_size, self.device)
         ids, num = host_to_device(ids[:, :K], torch.int64, self.device), host_to_device(counts, torch.int64, self.device)  # [B, K], [B]
         probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
-        return Proposal(ids, num, probs, tuple(counts))
+        return Proposal(ids, num, probs, tuple(counts), one_hot=True)
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         continuations = self.continuations(tokens, k, 1)
@@ -326,7 +331,7 @@ class NgramDrafter(Drafter):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
         probs = torch.zeros(B, N, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
-        return Proposal(ids, num, probs, tuple(counts))
+        return Proposal(ids, num, probs, tuple(counts), one_hot=True)
 
     def tree_tokens(self, tokens: Sequence[int], shape: TreeShape, depth: int) -> list[int]:
         """Tokens of `shape`'s first nodes: node (r_1, .., r_d) holds the r_d-th distinct next token,
@@ -421,7 +426,8 @@ class FeatureDrafter(Drafter):
         # 3. Back to the positions that read the target's features.
         self.runner.rollback(host_to_device(self.cached, torch.int64, self.device), max(self.cached))
         num = host_to_device(list(max_drafts), torch.int64, self.device)
-        return Proposal(torch.stack(drafts, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts))
+        return Proposal(torch.stack(drafts, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts),
+                        one_hot=sampling.all_greedy)
 
     def propose_tree(self, shape: TreeShape, max_depths: Sequence[int], sampling: SamplingTensors,
                      uniforms: torch.Tensor) -> Proposal:

@@ -75,6 +75,33 @@ def test_ngram_proposal_travels_sparse():
     _assert_same_drafted(p, decode_proposal(wire))
 
 
+def test_one_hot_proposals_travel_as_their_tokens():
+    """A drafter that says its proposal is one-hot (greedy rows only, or n-gram lookup) is right,
+    and the wire built from its tokens alone decodes to the tensor the general encoding gives."""
+    prompts = [[5, 9, 11, 5, 9], [7], [20, 21, 20], [30, 31, 32, 33]]
+    u = torch.rand(4, 3, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingTensors.from_params([SamplingParams()] * 4)
+    mixed = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=1.0, seed=1)] * 2)
+    model = DraftModelDrafter(tiny_model("llama", 1), VOCAB)
+    ngram = NgramDrafter(VOCAB)
+    for d in (model, ngram):
+        d.add_rows(prompts)
+    proposals = [model.propose([3, 3, 3, 3], greedy, u), ngram.propose([3, 3, 2, 3], greedy, u)]
+    for p in proposals:
+        assert p.one_hot
+        drafted = torch.arange(p.draft_probs.shape[1])[None, :] < p.num_draft_tokens[:, None]  # [B, K]
+        one_hot = torch.zeros_like(p.draft_probs).scatter_(-1, p.draft_token_ids[..., None], 1.0)
+        assert torch.equal(p.draft_probs[drafted], one_hot[drafted])  # the claim holds
+        wire = encode_proposal(p)
+        assert wire.encoding == "sparse" and wire.index.shape[-1] == 1
+        general = decode_proposal(encode_proposal(dataclasses.replace(p, one_hot=False)))
+        assert torch.equal(decode_proposal(wire).draft_probs, general.draft_probs)
+        _assert_same_drafted(p, decode_proposal(wire))
+    sampled = DraftModelDrafter(tiny_model("llama", 1), VOCAB)
+    sampled.add_rows(prompts)
+    assert not sampled.propose([3, 3, 3, 3], mixed, u).one_hot  # a sampled row's probs are not one-hot
+
+
 def test_top_m_drafter_samples_from_its_reported_top_m():
     model = tiny_model("llama", 1)
     m, B, K = 3, 6, 4
