@@ -14,6 +14,7 @@ tests and the soak look processes up by.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -45,12 +46,42 @@ class ActorResources:
         return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
 
 
+def in_passing_thread(fn: Callable, *args):
+    """`fn(*args)` in a thread that ends with it: a model actor's torch work outside its steps
+    (building its model, timing its steps), which Ray runs in the process's main thread.
+
+    libgomp (PyTorch's OpenMP on Linux) keeps a worker pool for each thread that runs a parallel
+    region, and once it manages more threads than there are cores it stops spinning at its
+    barriers: every parallel op then sleeps and wakes its workers. A step runs in the compiled
+    graph's execution thread, not the main one; had the main thread run parallel work (a step-cost
+    profile's forwards), its pool would live on beside the steps' (2 cores, 2 threads, small ops:
+    a second thread 40% slower than the first while the first's pool lives; as fast once the
+    first thread has ended). A pool goes with the thread that made it.
+    """
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, exc))
+
+    thread = threading.Thread(target=run, name="raysd-model-work")
+    thread.start()
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 class TargetActor:
     """Ray's class for a target actor: `build()` makes raysd.actors.model_actors.TargetActor in this
-    process (and again on Ray's restart of it); each method is that actor's."""
+    process (and again on Ray's restart of it); each method is that actor's. Its torch work outside
+    the steps runs `in_passing_thread`."""
 
     def __init__(self, build: Callable[[], object]):
-        self.actor = build()
+        self.actor = in_passing_thread(build)
 
     def group_address(self):
         return self.actor.group_address()
@@ -59,7 +90,7 @@ class TargetActor:
         return self.actor.join_group(address, port, timeout_s)
 
     def time_steps(self, batch_sizes, k_max, context, reps):
-        return self.actor.time_steps(batch_sizes, k_max, context, reps)
+        return in_passing_thread(self.actor.time_steps, batch_sizes, k_max, context, reps)
 
     def info(self):
         return self.actor.info()
@@ -82,13 +113,14 @@ class TargetActor:
 
 class DraftActor:
     """Ray's class for a draft actor: `build(target_name)` makes raysd.actors.model_actors.DraftActor,
-    which asks the named target actor for its vocabulary size; each method is that actor's."""
+    which asks the named target actor for its vocabulary size; each method is that actor's (its
+    torch work outside the steps `in_passing_thread`, as the target's)."""
 
     def __init__(self, build: Callable[[str], object], target_name: str):
-        self.actor = build(target_name)
+        self.actor = in_passing_thread(build, target_name)
 
     def time_steps(self, batch_sizes, context, reps):
-        return self.actor.time_steps(batch_sizes, context, reps)
+        return in_passing_thread(self.actor.time_steps, batch_sizes, context, reps)
 
     def info(self):
         return self.actor.info()

@@ -38,3 +38,22 @@ def test_a_jobs_actors_build_themselves_from_what_its_coordinator_gets():
         assert pickle.dumps(draft_build(drafter, ccfg)) == pickle.dumps(draft_build(again[1], again[2]))
         assert (tokenizer_factory is not None) == stop
         assert drafter.colocated == (not cfg.draft_is_model)
+
+
+def test_model_work_runs_in_a_thread_that_ends_with_it():
+    """`in_passing_thread`: the value or the exception of the call, from a thread other than the
+    caller's that is gone once it returns (its OpenMP pool with it)."""
+    import threading
+
+    import pytest
+
+    seen = []
+
+    def work(x):
+        seen.append(threading.current_thread())
+        return x + 1
+
+    assert launch.in_passing_thread(work, 41) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ZeroDivisionError):
+        launch.in_passing_thread(lambda: 1 / 0)
