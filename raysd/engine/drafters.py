@@ -49,6 +49,13 @@ class Proposal:
             (0,) * batch_size,
         )
 
+    @staticmethod
+    def of_tokens(ids: torch.Tensor, num: torch.Tensor, counts: Sequence[int], vocab_size: int) -> "Proposal":
+        """Deterministic drafts `ids` [B, K] (row b's first counts[b]; `num` the same on ids' device):
+        their draft_probs one-hot at each token, marked so (`one_hot`)."""
+        probs = torch.zeros(*ids.shape, vocab_size, device=ids.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
+        return Proposal(ids, num, probs, tuple(counts), one_hot=True)
+
 
 class Drafter(ABC):
     name: str
@@ -291,8 +298,7 @@ class NgramDrafter(Drafter):
         if K == 0:
             return Proposal.empty(B, self.vocab_size, self.device)
         ids, num = host_to_device(ids[:, :K], torch.int64, self.device), host_to_device(counts, torch.int64, self.device)  # [B, K], [B]
-        probs = torch.zeros(B, K, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
-        return Proposal(ids, num, probs, tuple(counts), one_hot=True)
+        return Proposal.of_tokens(ids, num, counts, self.vocab_size)
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         continuations = self.continuations(tokens, k, 1)
@@ -330,8 +336,7 @@ class NgramDrafter(Drafter):
         for b, tokens in enumerate(trees):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
-        probs = torch.zeros(B, N, self.vocab_size, device=self.device).scatter_(-1, ids[..., None], 1.0)
-        return Proposal(ids, num, probs, tuple(counts), one_hot=True)
+        return Proposal.of_tokens(ids, num, counts, self.vocab_size)
 
     def tree_tokens(self, tokens: Sequence[int], shape: TreeShape, depth: int) -> list[int]:
         """Tokens of `shape`'s first nodes: node (r_1, .., r_d) holds the r_d-th distinct next token,

@@ -277,8 +277,7 @@ def one_hot_proposal(drafts: Sequence[Sequence[int]], vocab_size: int, device) -
     for b, d in enumerate(drafts):
         ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
     ids, num = host_to_device(ids, torch.int64, device), host_to_device([len(d) for d in drafts], torch.int64, device)  # [B, K], [B]
-    probs = torch.zeros(B, K, vocab_size, device=device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V] one-hot
-    return Proposal(ids, num, probs, tuple(len(d) for d in drafts), one_hot=True)
+    return Proposal.of_tokens(ids, num, [len(d) for d in drafts], vocab_size)
 
 
 # ---------------------------------------------------------------- the drafter
