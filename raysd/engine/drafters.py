@@ -56,6 +56,20 @@ class Proposal:
         probs = torch.zeros(*ids.shape, vocab_size, device=ids.device).scatter_(-1, ids[..., None], 1.0)  # [B, K, V]
         return Proposal(ids, num, probs, tuple(counts), one_hot=True)
 
+    @staticmethod
+    def of_drafts(drafts: Sequence[Sequence[int]], vocab_size: int, device) -> "Proposal":
+        """Deterministic drafts, a list per row, as a one-hot Proposal as wide as the longest (`of_tokens`;
+        no row drafting: an empty one)."""
+        B, K = len(drafts), max((len(d) for d in drafts), default=0)
+        if K == 0:
+            return Proposal.empty(B, vocab_size, device)
+        ids = torch.zeros(B, K, dtype=torch.int64)  # [B, K]
+        for b, d in enumerate(drafts):
+            ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        counts = [len(d) for d in drafts]
+        ids, num = host_to_device(ids, torch.int64, device), host_to_device(counts, torch.int64, device)  # [B, K], [B]
+        return Proposal.of_tokens(ids, num, counts, vocab_size)
+
 
 class Drafter(ABC):
     name: str
@@ -326,17 +340,8 @@ class NgramDrafter(Drafter):
         of the most recent earlier occurrences of its suffix (`tree_tokens`), on `shape`'s nodes
         at most max_depths[b] deep, cut at the depth they reach. Deterministic candidates with
         one-hot draft_probs: EAGLE-2's rule verifies them exactly, whatever they are."""
-        B = len(max_depths)
         trees = [self.tree_tokens(row, shape, int(d)) for row, d in zip(self.history, max_depths)]
-        counts = [len(t) for t in trees]
-        N = max(counts, default=0)
-        if N == 0:
-            return Proposal.empty(B, self.vocab_size, self.device)
-        ids = torch.zeros(B, N, dtype=torch.int64)
-        for b, tokens in enumerate(trees):
-            ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        ids, num = ids.to(self.device), torch.tensor(counts, dtype=torch.int64).to(self.device)
-        return Proposal.of_tokens(ids, num, counts, self.vocab_size)
+        return Proposal.of_drafts(trees, self.vocab_size, self.device)
 
     def tree_tokens(self, tokens: Sequence[int], shape: TreeShape, depth: int) -> list[int]:
         """Tokens of `shape`'s first nodes: node (r_1, .., r_d) holds the r_d-th distinct next token,

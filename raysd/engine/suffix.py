@@ -32,9 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
-from raysd.core.device import host_to_device
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.drafters import Drafter, Proposal
 
@@ -268,18 +266,6 @@ def tree_tokens(candidate: Candidate, shape: TreeShape, depth: int, min_prob: fl
     return out[:n], conf[:n]
 
 
-def one_hot_proposal(drafts: Sequence[Sequence[int]], vocab_size: int, device) -> Proposal:
-    """Deterministic drafts as a Proposal as wide as the longest (no row drafting: an empty one)."""
-    B, K = len(drafts), max((len(d) for d in drafts), default=0)
-    if K == 0:
-        return Proposal.empty(B, vocab_size, device)
-    ids = torch.zeros(B, K, dtype=torch.int64)  # [B, K]
-    for b, d in enumerate(drafts):
-        ids[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-    ids, num = host_to_device(ids, torch.int64, device), host_to_device([len(d) for d in drafts], torch.int64, device)  # [B, K], [B]
-    return Proposal.of_tokens(ids, num, [len(d) for d in drafts], vocab_size)
-
-
 # ---------------------------------------------------------------- the drafter
 
 
@@ -389,4 +375,4 @@ class SuffixDrafter(Drafter):
         self.last_confidence = np.zeros((len(drafts), max(map(len, drafts), default=0)))  # [B, K]
         for b, c in enumerate(confidence):
             self.last_confidence[b, : len(c)] = c
-        return one_hot_proposal(drafts, self.vocab_size, self.device)
+        return Proposal.of_drafts(drafts, self.vocab_size, self.device)
