@@ -133,3 +133,12 @@ def paired_ratio(runs: Sequence[dict], baseline: Sequence[dict], key: str = "tok
         raise ValueError(f"paired ratios need as many runs as baseline runs ({len(runs)} against {len(baseline)})")
     ratios = [r[key] / b[key] for r, b in zip(runs, baseline)]
     return {"median": statistics.median(ratios), "per_repeat": ratios}
+
+
+def fmt(v, digits: int = 2) -> str:
+    """A figure as the tables print it: "-" where there is none."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)

@@ -306,7 +306,7 @@ def run(a, log=print) -> Outcome:
 
 
 def markdown(a, env, summaries, bounds, floors=None, ceiling=None) -> str:
-    from bench.legacy import fmt
+    from bench.measure import fmt
 
     head = (f"{env['device']}, {a.dtype}, target {env['target_params'] / 1e9:.2f}B / draft {env['draft_params'] / 1e9:.2f}B "
             f"params, K={a.k}, prompt {a.prompt_len}, {a.new_tokens} new tokens, greedy"

@@ -5,6 +5,7 @@ No Ray, no real model; a few seconds. (Speed itself is measured by `python -m be
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from bench import environment, record, registry
 from bench.cli import scenario_parser
 from bench.harness import Outcome, Variant, run_variants
 from bench.measure import Counts, decode_tokens_per_s, figures, median_figures, paired_ratio
-from bench.report import MANIFEST, main as report_main, render
+from bench.report import MANIFEST, MAX_LINES, MAX_PROSE_WORDS, main as report_main, prose_words, render
 from raysd.core.stats import SpecDecodeStats
 from tests.conftest import tiny_model
 
@@ -112,10 +113,12 @@ def test_every_scenario_loads_and_parses_its_quick_options():
 
 
 def hand_made_result(tmp_path: Path) -> Path:
-    variants = [{"name": "plain, B=1", "settings": {}, "baseline": None, "median": {"tokens_per_s": 10.0}, "runs": [{}] * 3},
+    plain = [{"tokens_per_s": t} for t in (10.0, 8.0, 10.0)]
+    draft = [{"tokens_per_s": t} for t in (12.0, 10.0, 13.0)]
+    variants = [{"name": "plain, B=1", "settings": {}, "baseline": None, "median": {"tokens_per_s": 10.0}, "runs": plain},
                 {"name": "draft K=3, B=1", "settings": {}, "baseline": "plain, B=1",
                  "median": {"tokens_per_s": 12.5, "acceptance_rate": 0.4, "alpha": 0.5, "mean_acceptance_length": 1.9},
-                 "ratio": {"tokens_per_s": {"median": 1.25, "per_repeat": [1.2, 1.25, 1.3]}}, "runs": [{}] * 3}]
+                 "ratio": {"tokens_per_s": {"median": 1.25, "per_repeat": [1.2, 1.25, 1.3]}}, "runs": draft}]
     machine = {"cpu": "Test CPU", "cores": 2, "simd": ["avx2"], "torch_threads": 2, "gpu": None}
     versions = {"python": "3.11", "torch": "2.x", "transformers": "5.x", "ray": "2.60", "raysd_commit": "abc123"}
     r = record.build("engine", "python -m bench run engine --ks 3", {"ks": [3]}, False, "2026-11-26T09:00:00+00:00", 12.0,
@@ -133,11 +136,18 @@ no_cpu = "No CPU figure."
 not_measured = ["GPU"]
 smoke = "{tmp_path}/none-*.json"
 smoke_intro = "Smoke."
+glance_note = "Paired."
+
+[[glance]]
+what = "A draft at K = 3"
+file = "{path}"
+variant = "draft K=3, B=1"
+section = "drafters"
 
 [[table]]
 section = "CPU"
+anchor = "drafters"
 title = "Drafters"
-format = "bench"
 files = [{{path = "{path}"}}]
 ''')
     page = tmp_path / "performance.md"
@@ -146,16 +156,32 @@ files = [{{path = "{path}"}}]
     assert text.count("\n") < 150
     for needed in ("Test CPU, 2 cores, AVX2", "2026-11-26T09:00:00", "load 0.50 at the start, 1.50 at the end",
                    "`python -m bench run engine --ks 3`", "| draft K=3, B=1 | 12.5 | 0.40 | 0.50 | 1.90 | 1.25 | 3 |",
-                   "No GPU figure.", "- GPU"):
+                   "No GPU figure.", "- GPU", '<a id="drafters"></a>',
+                   # the glance row is computed from the runs, repeat by repeat: 12/10, 10/8, 13/10
+                   "| A draft at K = 3 | **1.25x** | 1.20, 1.25, 1.30 | 2-core CPU | [engine_test](#drafters) |"):
         assert needed in text, needed
     assert report_main(["--manifest", str(manifest), "--out", str(page), "--check"]) == 0
     page.write_text(text + "edited\n")
     assert report_main(["--manifest", str(manifest), "--out", str(page), "--check"]) == 1
 
 
-def test_the_real_manifest_gives_a_page_under_150_lines():
+def test_the_real_manifest_gives_a_page_read_in_a_minute():
     text = render(tomllib.loads(MANIFEST.read_text()))
-    assert text.count("\n") < 150 and "## GPU" in text and "## Not measured yet" in text
+    assert text.count("\n") <= MAX_LINES and prose_words(text) <= MAX_PROSE_WORDS
+    assert "## At a glance" in text and "## GPU" in text and "## Not measured yet" in text
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    assert set(re.findall(r"\]\(#([^)]+)\)", text)) <= anchors  # every glance row links to its table
+
+
+def test_prose_words_leave_out_tables_and_commands():
+    assert prose_words("# T\n| a | b |\nReproduce: `x y z`.\nTwo words") == 2
+
+
+def test_a_page_too_long_to_read_in_a_minute_is_refused(tmp_path):
+    manifest = tomllib.loads(MANIFEST.read_text())
+    manifest["page"]["intro"] += " word" * MAX_PROSE_WORDS
+    with pytest.raises(ValueError, match="words of prose"):
+        render(manifest)
 
 
 def test_result_envelope_names_its_machine_and_versions():
