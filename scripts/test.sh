@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: every test but those marked `alone` over two pytest
 # workers (a test module stays on one worker, so its models and its Ray are shared by its
-# tests), then the `alone` tests one at a time (they kill processes and nodes mid-job, and a
-# loaded machine would make a health check miss or a job end before its kill).
+# tests), then the `alone` tests, two modules at a time (they kill processes and nodes mid-job
+# on clusters of their own, so they stay apart from the other tests' Rays and models: a
+# machine loaded by those made a restarted actor miss the test's wait).
 # Arguments go to both runs, e.g. `bash scripts/test.sh -x` or `bash scripts/test.sh tests/jobs`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,4 @@ pytest_run() {  # exit status 5 (no test selected, e.g. no `alone` test under th
 }
 
 pytest_run -n "${RAYSD_TEST_WORKERS:-2}" --dist loadfile -m "not alone" "$@"
-pytest_run -m alone "$@"
+pytest_run -n "${RAYSD_TEST_WORKERS:-2}" --dist loadfile -m alone "$@"
