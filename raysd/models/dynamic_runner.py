@@ -34,7 +34,7 @@ class DynamicRunner:
         """repack_fraction: re-pack once holes make the cache wider than the longest row by this
         fraction (0: after every rollback). A re-pack copies every layer's cache, which on CPU
         cost more than half a decode step when done at every step; holes cost attention width.
-        linear_kernels: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU)."""
+        linear_kernels: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU, where measured faster)."""
         assert repack_fraction >= 0
         self.model = model
         self.linear_kernels = linear_kernels

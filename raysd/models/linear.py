@@ -22,6 +22,12 @@ The results differ from `F.linear`'s by float32 summation order only (~1e-6 rela
 GEMM and GEMV already differ from each other; tests/models/test_linear.py holds the runners'
 logits and the engine's greedy tokens to the stock kernels'.
 
+Whether the packed copy is faster depends on the machine: on the AMD EPYCs above it is, at one
+row and at several; on a 2-core Intel Xeon (AVX-512, AMX; 2026-11-29) MKL's own one-row product is
+~1.3x faster than oneDNN's for the whole model, and at 8 or more rows the two tie. `linear_kernels=
+"auto"` therefore times both on the model's own layers once (`measure_choice`) and takes the packed
+copy only for the row counts where it is clearly faster (`KernelChoice`).
+
 The copies cost memory: one packed copy of every linear weight (as much again as the weights). They are made on a model's first use, kept on the
 model (`model_linears`), and made again if a weight changed since (distillation trains drafts in
 place). Outside the block the model is stock, so the same object still runs Hugging Face
@@ -30,7 +36,11 @@ place). Outside the block the model is stock, so the same object still runs Hugg
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -45,6 +55,24 @@ PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..3
 # larger products (prefill, where oneDNN measured no faster than MKL) run `F.linear`.
 ROW_BUCKETS: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _ATTR = "_raysd_linears"
+# "auto" takes the packed copy for a row count only where it measured under this fraction of the
+# stock product's time: where the two tie, PyTorch's own kernels (and the same choice every run).
+AUTO_MARGIN = 0.9
+MEASURED_ROWS = (1, 8)  # a decode step at batch 1; a batch's decode step or a verify (as 2..128)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which products take the packed copy: one row (decoding at batch 1), and 2..128 rows."""
+
+    one_row: bool
+    few_rows: bool
+
+    def packed_for(self, rows: int) -> bool:
+        return self.one_row if rows == 1 else self.few_rows and rows <= ROW_BUCKETS[-1]
+
+
+PACKED = KernelChoice(one_row=True, few_rows=True)
 
 
 def check_linear_kernels(kind: str) -> None:
@@ -66,13 +94,50 @@ def packed_supported(model: nn.Module) -> str | None:
     return None
 
 
-def use_packed(model: nn.Module, kind: str) -> bool:
-    """"auto": packed where supported; "packed": packed or a one-line error; "stock": never."""
+def use_packed(model: nn.Module, kind: str) -> KernelChoice | None:
+    """The products that take the packed copy, None for none. "auto": where supported, those
+    `measure_choice` found faster on this machine (measured once per model); "packed": all of
+    them, or a one-line error; "stock": none."""
     check_linear_kernels(kind)
     reason = packed_supported(model)
     if kind == "packed" and reason:
         raise ValueError(reason)
-    return kind != "stock" and reason is None
+    if kind == "stock" or reason is not None:
+        return None
+    if kind == "packed":
+        return PACKED
+    choice = model_linears(model).auto_choice()
+    return choice if choice.one_row or choice.few_rows else None
+
+
+def choose(stock_s: dict[int, float], packed_s: dict[int, float]) -> KernelChoice:
+    """The packed copy for a row count where it took under AUTO_MARGIN of the stock product's time."""
+    faster = {rows: packed_s[rows] < AUTO_MARGIN * stock_s[rows] for rows in MEASURED_ROWS}
+    return KernelChoice(one_row=faster[1], few_rows=faster[MEASURED_ROWS[-1]])
+
+
+def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
+    """Time every linear layer of the model in turn, as a forward runs them (each weight read from
+    memory, as in decoding), stock against packed, at each of MEASURED_ROWS rows: the median of
+    `rounds` interleaved passes after one warm-up. A pass over SmolLM2-135M costs ~20-60 ms."""
+    layers = list(linears.layers.items())
+    inputs = {rows: [torch.randn(rows, m.in_features) for m, _ in layers] for rows in MEASURED_ROWS}
+
+    def one_pass(rows: int, packed: bool) -> float:
+        start = time.perf_counter()
+        for (module, copy), x in zip(layers, inputs[rows]):
+            copy.forward(x, PACKED) if packed else F.linear(x, copy.weight, copy.bias)
+        return time.perf_counter() - start
+
+    times: dict[tuple[int, bool], list[float]] = {(r, p): [] for r in MEASURED_ROWS for p in (False, True)}
+    with torch.no_grad():
+        for i in range(rounds + 1):
+            for key in times:
+                elapsed = one_pass(*key)
+                if i:  # round 0 warms oneDNN's primitives and the caches up
+                    times[key].append(elapsed)
+    median = {key: statistics.median(ts) for key, ts in times.items()}
+    return choose({r: median[r, False] for r in MEASURED_ROWS}, {r: median[r, True] for r in MEASURED_ROWS})
 
 
 class _Packed:
@@ -88,9 +153,9 @@ class _Packed:
         w = module.weight
         return (w.data_ptr(), w._version) != self.version or (module.bias is None) != (self.bias is None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., K) -> (..., N)
+    def forward(self, x: torch.Tensor, choice: KernelChoice) -> torch.Tensor:  # x (..., K) -> (..., N)
         rows = x.numel() // x.shape[-1]
-        if rows > ROW_BUCKETS[-1]:
+        if not choice.packed_for(rows):  # prefill, or where stock measured as fast
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])  # (rows, K)
         if rows > 1:  # (bucket, K): zero rows below; one row is its own shape
@@ -106,7 +171,14 @@ class PackedLinears:
         self.model = model
         self.layers: dict[nn.Linear, _Packed] = {}
         self._depth = 0  # nested blocks (a draft that is the target's own model) switch once
+        self._auto: KernelChoice | None = None  # measure_choice's, once
         self.refresh()
+
+    def auto_choice(self) -> KernelChoice:
+        """What "auto" takes for this model on this machine: measured on first use, then kept."""
+        if self._auto is None:
+            self._auto = measure_choice(self)
+        return self._auto
 
     def __reduce__(self):
         """A copied or pickled model leaves its copies behind and packs its own on first use
@@ -121,16 +193,17 @@ class PackedLinears:
                     self.layers[module] = _Packed(module)
 
     @contextmanager
-    def active(self) -> Iterator[None]:
-        """Inside the block every plain nn.Linear of the model runs its packed forward. Only
-        without autograd (the runners' inference mode): the copies carry no gradient."""
+    def active(self, choice: KernelChoice = PACKED) -> Iterator[None]:
+        """Inside the block every plain nn.Linear of the model runs its packed forward for the row
+        counts `choice` names. Only without autograd (the runners' inference mode): the copies
+        carry no gradient."""
         if torch.is_grad_enabled() or self._depth:
             yield
             return
         if any(p.stale(m) for m, p in self.layers.items()):
             self.refresh()
         for module, packed in self.layers.items():
-            module.forward = packed.forward  # an instance attribute shadows nn.Linear.forward
+            module.forward = functools.partial(packed.forward, choice=choice)  # shadows nn.Linear.forward
         self._depth += 1
         try:
             yield
@@ -155,10 +228,10 @@ def model_linears(model: nn.Module) -> PackedLinears:
 
 
 @contextmanager
-def linear_kernels(model: nn.Module, packed: bool) -> Iterator[None]:
-    """The runners' switch: the packed kernels inside the block when `packed`, else nothing."""
-    if not packed:
+def linear_kernels(model: nn.Module, choice: KernelChoice | None) -> Iterator[None]:
+    """The runners' switch: the packed kernels inside the block for what `choice` names (use_packed's)."""
+    if choice is None:
         yield
         return
-    with model_linears(model).active():
+    with model_linears(model).active(choice):
         yield

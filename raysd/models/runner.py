@@ -36,7 +36,7 @@ def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | No
                 linear_kernels: str = "auto", cuda_graphs: bool = False, compile: bool = False) -> Runner:
     """"auto": the static runner where the architecture supports it, else the dynamic one;
     "static" refuses an unsupported model with a clear error instead of falling back.
-    `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32; "stock");
+    `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32 where measured faster; "stock");
     `cuda_graphs`: the static runner's small forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
     `compile`: its small forwards through torch.compile (with `cuda_graphs`, the graphs capture the compiled kernels)."""
     check_runner_kind(kind)

@@ -140,7 +140,7 @@ class StaticRunner:
         torch.compile with symbolic shapes: the attended width never recompiles, the chunk width and the rows
         only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
         compiled kernels are what each graph captures (Inductor's fusions, then no launches);
-        `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU);
+        `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU, where measured faster);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
         as CUDA graphs captured per shape (raysd.models.cuda_graphs). CUDA only."""
         if not supports_static(model):
@@ -161,7 +161,7 @@ class StaticRunner:
         self._num_rows = 0
         self._bound = 0  # host upper bound on max(lengths)
         self._compiled = torch.compile(model, dynamic=True) if compile else None
-        self._packed = use_packed(model, linear_kernels) and not compile  # Inductor packs its own
+        self._packed = None if compile else use_packed(model, linear_kernels)  # Inductor packs its own
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a model on a CUDA device, not {self.device}")
         if cuda_graphs and checks:

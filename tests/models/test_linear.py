@@ -15,7 +15,7 @@ from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.requests import Request
 from raysd.models.dynamic_runner import DynamicRunner
-from raysd.models.linear import ROW_BUCKETS, model_linears, use_packed
+from raysd.models.linear import AUTO_MARGIN, PACKED, ROW_BUCKETS, KernelChoice, choose, model_linears, use_packed
 from raysd.models.static_runner import StaticRunner
 from tests.conftest import EOS, tiny_model
 
@@ -102,15 +102,43 @@ def test_a_copied_or_pickled_model_packs_its_own():
             torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_is_float32_on_a_cpu_and_packed_refuses_anything_else_in_one_line():
+def test_auto_is_float32_on_a_cpu_where_measured_faster_and_packed_refuses_anything_else_in_one_line():
     model = tiny_model("llama")
-    assert use_packed(model, "auto") and use_packed(model, "packed") and not use_packed(model, "stock")
+    assert use_packed(model, "packed") == PACKED and use_packed(model, "stock") is None
+    auto = use_packed(model, "auto")  # this machine's measurement, made once and kept on the model
+    assert auto is None or auto in {KernelChoice(a, b) for a in (True, False) for b in (True, False)}
+    assert model_linears(model).auto_choice() is model_linears(model).auto_choice()
     half = tiny_model("llama").to(torch.bfloat16)
-    assert not use_packed(half, "auto")
+    assert use_packed(half, "auto") is None
     with pytest.raises(ValueError, match="float32"):
         use_packed(half, "packed")
     with pytest.raises(ValueError, match="linear_kernels must be one of"):
         use_packed(model, "fast")
+
+
+def test_auto_takes_the_packed_copy_only_where_clearly_faster():
+    stock = {1: 1.0, 8: 2.0}
+    assert choose(stock, {1: 0.5, 8: 1.0}) == PACKED  # the AMD EPYCs' case
+    assert choose(stock, {1: 1.3, 8: 1.95}) == KernelChoice(one_row=False, few_rows=False)  # the Intel Xeon's: a tie at 8 rows
+    assert choose(stock, {1: 1.3, 8: 1.0}) == KernelChoice(one_row=False, few_rows=True)
+    assert choose(stock, {1: AUTO_MARGIN, 8: 2.0}) == KernelChoice(one_row=False, few_rows=False)  # the margin is strict
+
+
+def test_a_choice_routes_each_row_count_to_its_kernel():
+    model = tiny_model("llama", seed=2, vocab=WIDE_VOCAB)
+    head = model.get_output_embeddings()
+    calls = []
+    linear = F.linear
+    for choice in (KernelChoice(one_row=False, few_rows=True), KernelChoice(one_row=True, few_rows=False)):
+        calls.clear()
+        with torch.inference_mode(), model_linears(model).active(choice), \
+                pytest.MonkeyPatch.context() as mp:
+            mp.setattr(F, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+            for rows in (1, 3):
+                x = torch.randn(rows, head.in_features)
+                torch.testing.assert_close(head(x), linear(x, head.weight), rtol=1e-5, atol=1e-5)
+        assert calls == ([1] if not choice.one_row else [3])  # the stock product only where the choice says so
+    assert not choice.packed_for(ROW_BUCKETS[-1] + 1)  # prefill: always stock
 
 
 @pytest.mark.parametrize("runner_cls", [StaticRunner, DynamicRunner])
