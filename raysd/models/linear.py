@@ -106,8 +106,12 @@ def use_packed(model: nn.Module, kind: str) -> KernelChoice | None:
         return None
     if kind == "packed":
         return PACKED
-    choice = model_linears(model).auto_choice()
-    return choice if choice.one_row or choice.few_rows else None
+    linears = model_linears(model)
+    choice = linears.auto_choice()
+    if choice.one_row or choice.few_rows:
+        return choice
+    linears.release()  # as much memory again as the weights, for nothing
+    return None
 
 
 def choose(stock_s: dict[int, float], packed_s: dict[int, float]) -> KernelChoice:
@@ -121,12 +125,16 @@ def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
     memory, as in decoding), stock against packed, at each of MEASURED_ROWS rows: the median of
     `rounds` interleaved passes after one warm-up. A pass over SmolLM2-135M costs ~20-60 ms."""
     layers = list(linears.layers.items())
-    inputs = {rows: [torch.randn(rows, m.in_features) for m, _ in layers] for rows in MEASURED_ROWS}
+    g = torch.Generator().manual_seed(0)  # not the global generator: measuring draws nothing of the caller's
+    inputs = {rows: [torch.randn(rows, m.in_features, generator=g) for m, _ in layers] for rows in MEASURED_ROWS}
 
     def one_pass(rows: int, packed: bool) -> float:
         start = time.perf_counter()
-        for (module, copy), x in zip(layers, inputs[rows]):
-            copy.forward(x, PACKED) if packed else F.linear(x, copy.weight, copy.bias)
+        for (_, copy), x in zip(layers, inputs[rows]):
+            if packed:
+                copy.forward(x, PACKED)
+            else:
+                F.linear(x, copy.weight, copy.bias)
         return time.perf_counter() - start
 
     times: dict[tuple[int, bool], list[float]] = {(r, p): [] for r in MEASURED_ROWS for p in (False, True)}
@@ -174,6 +182,10 @@ class PackedLinears:
         self._auto: KernelChoice | None = None  # measure_choice's, once
         self.refresh()
 
+    def release(self) -> None:
+        """Drop the copies (a later `active()` makes them again); the measured choice stays."""
+        self.layers.clear()
+
     def auto_choice(self) -> KernelChoice:
         """What "auto" takes for this model on this machine: measured on first use, then kept."""
         if self._auto is None:
@@ -200,7 +212,7 @@ class PackedLinears:
         if torch.is_grad_enabled() or self._depth:
             yield
             return
-        if any(p.stale(m) for m, p in self.layers.items()):
+        if not self.layers or any(p.stale(m) for m, p in self.layers.items()):
             self.refresh()
         for module, packed in self.layers.items():
             module.forward = functools.partial(packed.forward, choice=choice)  # shadows nn.Linear.forward
