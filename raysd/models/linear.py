@@ -25,8 +25,9 @@ logits and the engine's greedy tokens to the stock kernels'.
 Whether the packed copy is faster depends on the machine: on the AMD EPYCs above it is, at one
 row and at several; on a 2-core Intel Xeon (AVX-512, AMX; 2026-11-29) MKL's own one-row product is
 ~1.3x faster than oneDNN's for the whole model, and at 8 or more rows the two tie. `linear_kernels=
-"auto"` therefore times both on the model's own layers once (`measure_choice`) and takes the packed
-copy only for the row counts where it is clearly faster (`KernelChoice`).
+"auto"` therefore times both on the model's own layers once per machine (`measure_choice`, kept in
+raysd's cache: `cached_choice`) and takes the packed copy only for the row counts where it is
+clearly faster (`KernelChoice`).
 
 The copies cost memory: one packed copy of every linear weight (as much again as the weights). They are made on a model's first use, kept on the
 model (`model_linears`), and made again if a weight changed since (distillation trains drafts in
@@ -36,16 +37,25 @@ place). Outside the block the model is stock, so the same object still runs Hugg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raysd.models.gguf_cache import cache_root
 
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
 PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
@@ -148,6 +158,35 @@ def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
     return choose({r: median[r, False] for r in MEASURED_ROWS}, {r: median[r, True] for r in MEASURED_ROWS})
 
 
+def _choice_path(linears: PackedLinears) -> Path:
+    """Where this machine's choice for these layer shapes is kept (cache_root()/linear_kernels)."""
+    shapes = [(m.out_features, m.in_features, m.bias is not None) for m in linears.layers]
+    key = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "shapes": shapes}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "linear_kernels" / f"{digest}.json"
+
+
+def cached_choice(linears: PackedLinears) -> KernelChoice:
+    """measure_choice's answer, measured once per machine, layer shapes and thread count, then read
+    back (~0.6 s less at every later load of SmolLM2, and the same choice in every process)."""
+    path = _choice_path(linears)
+    try:
+        return KernelChoice(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # not measured here yet, or an unreadable entry: measure (again)
+    choice = measure_choice(linears)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(choice)))
+        os.replace(tmp, path)  # whole or not at all, whichever process writes last
+    except OSError as exc:
+        warnings.warn(f"raysd: could not keep the linear-kernel choice in {path.parent} ({exc}); "
+                      "it is measured again at the next load", stacklevel=2)
+    return choice
+
+
 class _Packed:
     """One nn.Linear's copies and the forward that picks between them by row count."""
 
@@ -189,7 +228,7 @@ class PackedLinears:
     def auto_choice(self) -> KernelChoice:
         """What "auto" takes for this model on this machine: measured on first use, then kept."""
         if self._auto is None:
-            self._auto = measure_choice(self)
+            self._auto = cached_choice(self)
         return self._auto
 
     def __reduce__(self):

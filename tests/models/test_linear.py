@@ -4,6 +4,8 @@ place, and leave the engine's greedy output identical to the target's own `gener
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,24 @@ def test_auto_takes_the_packed_copy_only_where_clearly_faster():
     assert choose(stock, {1: 1.3, 8: 1.95}) == KernelChoice(one_row=False, few_rows=False)  # the Intel Xeon's: a tie at 8 rows
     assert choose(stock, {1: 1.3, 8: 1.0}) == KernelChoice(one_row=False, few_rows=True)
     assert choose(stock, {1: AUTO_MARGIN, 8: 2.0}) == KernelChoice(one_row=False, few_rows=False)  # the margin is strict
+
+
+def test_the_choice_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    import raysd.models.linear as linear
+
+    monkeypatch.setenv("RAYSD_CACHE_DIR", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(linear, "measure_choice", lambda linears: measured.append(1) or KernelChoice(False, True))
+    first, second = tiny_model("llama", seed=3), tiny_model("llama", seed=4)  # the same shapes
+    assert model_linears(first).auto_choice() == KernelChoice(False, True) and len(measured) == 1
+    assert model_linears(second).auto_choice() == KernelChoice(False, True) and len(measured) == 1  # read back
+    [entry] = (tmp_path / "linear_kernels").iterdir()
+    entry.write_text("{not json")
+    assert model_linears(tiny_model("llama", seed=5)).auto_choice() == KernelChoice(False, True) and len(measured) == 2
+    assert json.loads(entry.read_text()) == {"one_row": False, "few_rows": True}  # measured again, written whole
+    wider = tiny_model("llama", seed=3, vocab=WIDE_VOCAB)  # other shapes: measured for themselves
+    model_linears(wider).auto_choice()
+    assert len(measured) == 3 and len(list((tmp_path / "linear_kernels").iterdir())) == 2
 
 
 def test_a_choice_routes_each_row_count_to_its_kernel():
