@@ -14,12 +14,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Callable
 
 from raysd.core.speculation import StepCosts
-from raysd.models.gguf_cache import cache_root
+from raysd.models.gguf_cache import cache_root, machine
 
 # Step times depend on the engine's own code as well: bump this when a change moves them, so that
 # profiles measured before it are measured again. 2: the verify's packed grouped-query attention
@@ -37,14 +36,6 @@ STEP_CODE_VERSION = 6
 
 def cache_dir() -> Path:
     return cache_root() / "step_costs"
-
-
-def machine() -> dict:
-    """What makes step times of the same models differ between hosts (the actors' devices are in the key too)."""
-    import torch
-
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
 
 
 def cached_step_costs(key: dict, measure: Callable[[], StepCosts] | None) -> tuple[StepCosts | None, bool]:

@@ -37,6 +37,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("RAYSD_CACHE_DIR", Path.home() / ".cache" / "raysd"))
 
 
+def machine() -> dict:
+    """What makes timings of the same models differ between hosts: the key of what raysd measures
+    once per machine (step costs, raysd.jobs.profiles; linear kernels, raysd.models.linear)."""
+    import platform
+
+    import torch
+
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
 def enabled() -> bool:
     return os.environ.get("RAYSD_GGUF_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 

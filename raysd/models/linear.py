@@ -42,7 +42,6 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -55,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysd.models.gguf_cache import cache_root
+from raysd.models.gguf_cache import cache_root, machine
 
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
 PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
@@ -161,8 +160,7 @@ def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
 def _choice_path(linears: PackedLinears) -> Path:
     """Where this machine's choice for these layer shapes is kept (cache_root()/linear_kernels)."""
     shapes = [(m.out_features, m.in_features, m.bias is not None) for m in linears.layers]
-    key = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "shapes": shapes}
+    key = {**machine(), "shapes": shapes}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_root() / "linear_kernels" / f"{digest}.json"
 
