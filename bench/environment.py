@@ -64,13 +64,3 @@ def versions() -> dict:
             out[name] = None
     out["raysd_commit"] = git_commit()
     return out
-
-
-def git_date(path: Path) -> str | None:
-    """The date (YYYY-MM-DD) a file was first committed: the best date a result file without its own has."""
-    try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--follow", "--format=%cs", "--", str(path)], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out[-1] if out else None

@@ -2,9 +2,9 @@
 result file feeds which table) and the result files it names.
 
 Every table says where its figures come from: the file, the machine (CPU, cores, SIMD, torch
-threads), the date (a `python -m bench run` file's own; an old file's first commit), the load
-average, and the command that reproduces it. The page opens with "At a glance": one paired ratio
-per row, computed here from the result files (nothing typed in by hand). Its prose must stay
+threads), the date the `python -m bench run` file records, the load average, and the command that
+reproduces it. The page opens with "At a glance": one paired ratio per row, computed here from the
+result files (nothing typed in by hand). Its prose must stay
 under MAX_PROSE_WORDS and the whole page under MAX_LINES, so a user reads it in a minute; the
 chronological log, with every figure's back story, is docs/history/benchmarks.md.
 
@@ -84,17 +84,17 @@ def bench_table(entry: dict) -> list[str]:
     return out[:-1]
 
 
-def smoke_line(pattern: str) -> list[str]:
+def smoke_line(pattern: str) -> str:
     """One line: each smoke run's scenario, date and checks (the files say the rest)."""
     files = sorted(glob.glob(str(ROOT / pattern)))
     if not files:
-        return ["None yet."]
+        return "None yet."
     runs = []
     for path in files:
         r = record.read(path)
         ok = all(c.get("ok", True) for c in r["checks"].values())
         runs.append(f"{r['scenario']} ({r['date_utc'][:10]}, {r['elapsed_s']:.0f} s, {'ok' if ok else 'FAILED'})")
-    return [f"`{pattern}`: " + "; ".join(runs) + "."]
+    return f"`{pattern}`: " + "; ".join(runs) + "."
 
 
 def glance_table(rows: list[dict]) -> list[str]:
@@ -114,7 +114,7 @@ def glance_table(rows: list[dict]) -> list[str]:
 
 def prose_words(text: str) -> int:
     """Words a user reads: everything but tables, headings, the comment, and the file and command lines."""
-    skip = ("|", "#", "<!--", "`bench/results/", "Reproduce: ", "Measured with ")
+    skip = ("|", "#", "<!--", "`bench/results/", "Reproduce: ")
     return sum(len(line.split()) for line in text.splitlines() if not line.startswith(skip))
 
 
@@ -139,7 +139,7 @@ def render(manifest: dict) -> str:
             if t.get("note"):
                 lines += [t["note"].strip()]
     lines += ["", "## Not measured yet", ""] + [f"- {x.strip()}" for x in page["not_measured"]]
-    lines += ["", "## Smoke runs of the current code", "", page["smoke_intro"].strip() + " " + smoke_line(page["smoke"])[0]]
+    lines += ["", "## Smoke runs of the current code", "", page["smoke_intro"].strip() + " " + smoke_line(page["smoke"])]
     text = "\n".join(lines) + "\n"
     if text.count("\n") > MAX_LINES:
         raise ValueError(f"the page has {text.count(chr(10))} lines, over {MAX_LINES}: trim the manifest")
