@@ -62,7 +62,7 @@ def scenarios(rank: int, world_size: int) -> dict:
         r = {}
         with torch.inference_mode():
             r["logits"] = target(ids).logits  # [B, 5, V]: the stock Hugging Face forward
-            for kernels in ("auto", "stock"):  # the packed CPU kernels pack the row-parallel inner linears too
+            for kernels in ("packed", "stock"):  # the packed CPU kernels pack the row-parallel inner linears too
                 runner = make_runner(target, "static", linear_kernels=kernels)
                 runner.add_rows(len(ids))
                 n = torch.full((len(ids),), ids.shape[1], dtype=torch.int64)
@@ -86,9 +86,9 @@ def whole_and_sharded():
 def test_sharded_logits_are_the_whole_models(whole_and_sharded, arch):
     whole, sharded = (x[arch] for x in whole_and_sharded)
     assert whole["wrapped"] == 0 and sharded["wrapped"] == 2 * 2  # o_proj and down_proj of both layers
-    for key in ("logits", "runner_auto", "runner_stock"):
+    for key in ("logits", "runner_packed", "runner_stock"):
         torch.testing.assert_close(sharded[key], whole[key], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(whole["runner_auto"], whole["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole["runner_packed"], whole["logits"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
