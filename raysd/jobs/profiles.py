@@ -11,14 +11,12 @@ the directory (or set RAYSD_CACHE_DIR) to measure again.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
 from raysd.core.speculation import StepCosts
-from raysd.models.gguf_cache import cache_root, machine
+from raysd.models.gguf_cache import cache_root, machine_entry, write_entry
 
 # Step times depend on the engine's own code as well: bump this when a change moves them, so that
 # profiles measured before it are measured again. 2: the verify's packed grouped-query attention
@@ -43,8 +41,7 @@ def cached_step_costs(key: dict, measure: Callable[[], StepCosts] | None) -> tup
     (measure(), False) after storing it. An unreadable cache entry is measured again.
     `measure` None: look only ((None, False) when nothing is cached), as `-k auto` does, which
     learns its costs from the job's own steps rather than profile before the first token."""
-    blob = json.dumps({**key, "machine": machine(), "step_code": STEP_CODE_VERSION}, sort_keys=True)
-    path = cache_dir() / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+    path, full_key = machine_entry(cache_dir().name, {**key, "step_code": STEP_CODE_VERSION})
     try:
         stored = json.loads(path.read_text())
         costs = StepCosts(tuple(stored["batch_sizes"]), tuple(map(tuple, stored["target_s"])), tuple(stored["draft_s"]))
@@ -55,10 +52,7 @@ def cached_step_costs(key: dict, measure: Callable[[], StepCosts] | None) -> tup
         return None, False
     costs = measure()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**dataclasses.asdict(costs), "key": json.loads(blob)}))
-        tmp.replace(path)  # atomic: concurrent replicas never read half a file
+        write_entry(path, {**dataclasses.asdict(costs), "key": full_key})  # concurrent replicas never read half a file
     except OSError:
         pass  # a read-only home: profile every time, as before
     return costs, False

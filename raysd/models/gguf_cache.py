@@ -48,6 +48,23 @@ def machine() -> dict:
             "threads": torch.get_num_threads()}
 
 
+def machine_entry(kind: str, key: dict) -> tuple[Path, dict]:
+    """Where raysd keeps what it measured on this machine for `key` (step costs, linear kernels):
+    cache_root()/kind/<digest>.json, the digest over `key` and `machine()`; and that whole key."""
+    full = {**key, "machine": machine()}
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / kind / f"{digest}.json", full
+
+
+def write_entry(path: Path, data: dict) -> None:
+    """`data` as JSON at `path`, whole or not at all (a temporary file renamed into place), so
+    concurrent processes never read half of one. Raises OSError where the cache is not writable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def enabled() -> bool:
     return os.environ.get("RAYSD_GGUF_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 

@@ -26,7 +26,7 @@ Whether the packed copy is faster depends on the machine: on the AMD EPYCs above
 row and at several; on a 2-core Intel Xeon (AVX-512, AMX; 2026-11-29) MKL's own one-row product is
 ~1.3x faster than oneDNN's for the whole model, and at 8 or more rows the two tie. `linear_kernels=
 "auto"` therefore times both on the model's own layers once per machine (`measure_choice`, kept in
-raysd's cache: `cached_choice`) and takes the packed copy only for the row counts where it is
+raysd's cache: `auto_choice`) and takes the packed copy only for the row counts where it is
 clearly faster (`KernelChoice`).
 
 The copies cost memory: one packed copy of every linear weight (as much again as the weights). They are made on a model's first use, kept on the
@@ -39,22 +39,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
-import os
 import statistics
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysd.models.gguf_cache import cache_root, machine
+from raysd.models.gguf_cache import machine_entry, write_entry
 
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
 PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
@@ -64,6 +61,7 @@ PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..3
 # larger products (prefill, where oneDNN measured no faster than MKL) run `F.linear`.
 ROW_BUCKETS: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _ATTR = "_raysd_linears"
+_CHOICE_ATTR = "_raysd_linear_choice"
 # "auto" takes the packed copy for a row count only where it measured under this fraction of the
 # stock product's time: where the two tie, PyTorch's own kernels (and the same choice every run).
 AUTO_MARGIN = 0.9
@@ -105,8 +103,8 @@ def packed_supported(model: nn.Module) -> str | None:
 
 def use_packed(model: nn.Module, kind: str) -> KernelChoice | None:
     """The products that take the packed copy, None for none. "auto": where supported, those
-    `measure_choice` found faster on this machine (measured once per model); "packed": all of
-    them, or a one-line error; "stock": none."""
+    `measure_choice` found faster on this machine (`auto_choice`); "packed": all of them, or a
+    one-line error; "stock": none."""
     check_linear_kernels(kind)
     reason = packed_supported(model)
     if kind == "packed" and reason:
@@ -115,12 +113,36 @@ def use_packed(model: nn.Module, kind: str) -> KernelChoice | None:
         return None
     if kind == "packed":
         return PACKED
-    linears = model_linears(model)
-    choice = linears.auto_choice()
+    choice = auto_choice(model)
     if choice.one_row or choice.few_rows:
         return choice
-    linears.release()  # as much memory again as the weights, for nothing
+    linears = model.__dict__.get(_ATTR)
+    if linears is not None:
+        linears.release()  # packed to be measured: as much memory again as the weights, for nothing
     return None
+
+
+def auto_choice(model: nn.Module) -> KernelChoice:
+    """What "auto" takes for this model on this machine: read from raysd's cache, where it was
+    measured once per machine, layer shapes and thread count (~0.6 s saved at every later load of
+    SmolLM2, and the same choice in every process); else measured (packing the copies) and kept
+    there. Kept on the model as well, beside its copies."""
+    choice = model.__dict__.get(_CHOICE_ATTR)
+    if choice is not None:
+        return choice
+    shapes = [(m.out_features, m.in_features, m.bias is not None) for m in model.modules() if type(m) is nn.Linear]
+    path, _ = machine_entry("linear_kernels", {"shapes": shapes})
+    try:
+        choice = KernelChoice(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # not measured here yet, or an unreadable entry: measure (again)
+        choice = measure_choice(model_linears(model))
+        try:
+            write_entry(path, dataclasses.asdict(choice))
+        except OSError as exc:
+            warnings.warn(f"raysd: could not keep the linear-kernel choice in {path.parent} ({exc}); "
+                          "it is measured again at the next load", stacklevel=2)
+    model.__dict__[_CHOICE_ATTR] = choice  # not a submodule or buffer: state_dict and .to() never see it
+    return choice
 
 
 def choose(stock_s: dict[int, float], packed_s: dict[int, float]) -> KernelChoice:
@@ -157,34 +179,6 @@ def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
     return choose({r: median[r, False] for r in MEASURED_ROWS}, {r: median[r, True] for r in MEASURED_ROWS})
 
 
-def _choice_path(linears: PackedLinears) -> Path:
-    """Where this machine's choice for these layer shapes is kept (cache_root()/linear_kernels)."""
-    shapes = [(m.out_features, m.in_features, m.bias is not None) for m in linears.layers]
-    key = {**machine(), "shapes": shapes}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_root() / "linear_kernels" / f"{digest}.json"
-
-
-def cached_choice(linears: PackedLinears) -> KernelChoice:
-    """measure_choice's answer, measured once per machine, layer shapes and thread count, then read
-    back (~0.6 s less at every later load of SmolLM2, and the same choice in every process)."""
-    path = _choice_path(linears)
-    try:
-        return KernelChoice(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass  # not measured here yet, or an unreadable entry: measure (again)
-    choice = measure_choice(linears)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(choice)))
-        os.replace(tmp, path)  # whole or not at all, whichever process writes last
-    except OSError as exc:
-        warnings.warn(f"raysd: could not keep the linear-kernel choice in {path.parent} ({exc}); "
-                      "it is measured again at the next load", stacklevel=2)
-    return choice
-
-
 class _Packed:
     """One nn.Linear's copies and the forward that picks between them by row count."""
 
@@ -216,18 +210,11 @@ class PackedLinears:
         self.model = model
         self.layers: dict[nn.Linear, _Packed] = {}
         self._depth = 0  # nested blocks (a draft that is the target's own model) switch once
-        self._auto: KernelChoice | None = None  # measure_choice's, once
         self.refresh()
 
     def release(self) -> None:
-        """Drop the copies (a later `active()` makes them again); the measured choice stays."""
+        """Drop the copies (a later `active()` makes them again)."""
         self.layers.clear()
-
-    def auto_choice(self) -> KernelChoice:
-        """What "auto" takes for this model on this machine: measured on first use, then kept."""
-        if self._auto is None:
-            self._auto = cached_choice(self)
-        return self._auto
 
     def __reduce__(self):
         """A copied or pickled model leaves its copies behind and packs its own on first use

@@ -17,7 +17,7 @@ from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.requests import Request
 from raysd.models.dynamic_runner import DynamicRunner
-from raysd.models.linear import AUTO_MARGIN, PACKED, ROW_BUCKETS, KernelChoice, choose, model_linears, use_packed
+from raysd.models.linear import AUTO_MARGIN, PACKED, ROW_BUCKETS, KernelChoice, auto_choice, choose, model_linears, use_packed
 from raysd.models.static_runner import StaticRunner
 from tests.conftest import EOS, tiny_model
 
@@ -109,9 +109,10 @@ def test_auto_is_float32_on_a_cpu_where_measured_faster_and_packed_refuses_anyth
     assert use_packed(model, "packed") == PACKED and use_packed(model, "stock") is None
     auto = use_packed(model, "auto")  # this machine's measurement, made once and kept on the model
     assert auto is None or auto in {KernelChoice(a, b) for a in (True, False) for b in (True, False)}
-    assert model_linears(model).auto_choice() is model_linears(model).auto_choice()
-    if auto is None:  # measured slower here: the copies are dropped, and made again if asked for
-        assert not model_linears(model).layers
+    assert auto_choice(model) is auto_choice(model)
+    if auto is None:  # measured slower here (or read so from the cache): no copies held, made again if asked for
+        held = model.__dict__.get("_raysd_linears")
+        assert held is None or not held.layers
     model_linears(model).release()
     with torch.inference_mode(), model_linears(model).active():
         assert model_linears(model).layers and any(_switched(model))
@@ -138,14 +139,15 @@ def test_the_choice_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch)
     measured = []
     monkeypatch.setattr(linear, "measure_choice", lambda linears: measured.append(1) or KernelChoice(False, True))
     first, second = tiny_model("llama", seed=3), tiny_model("llama", seed=4)  # the same shapes
-    assert model_linears(first).auto_choice() == KernelChoice(False, True) and len(measured) == 1
-    assert model_linears(second).auto_choice() == KernelChoice(False, True) and len(measured) == 1  # read back
+    assert auto_choice(first) == KernelChoice(False, True) and len(measured) == 1
+    assert auto_choice(second) == KernelChoice(False, True) and len(measured) == 1  # read back
+    assert "_raysd_linears" not in second.__dict__  # read back before any copy is packed
     [entry] = (tmp_path / "linear_kernels").iterdir()
     entry.write_text("{not json")
-    assert model_linears(tiny_model("llama", seed=5)).auto_choice() == KernelChoice(False, True) and len(measured) == 2
+    assert auto_choice(tiny_model("llama", seed=5)) == KernelChoice(False, True) and len(measured) == 2
     assert json.loads(entry.read_text()) == {"one_row": False, "few_rows": True}  # measured again, written whole
     wider = tiny_model("llama", seed=3, vocab=WIDE_VOCAB)  # other shapes: measured for themselves
-    model_linears(wider).auto_choice()
+    auto_choice(wider)
     assert len(measured) == 3 and len(list((tmp_path / "linear_kernels").iterdir())) == 2
 
 
