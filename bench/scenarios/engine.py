@@ -144,7 +144,7 @@ def engine_run(models: Models, s: Spec, prompts: list[dict], a, costs) -> dict:
 
 def step_costs(models: Models, a, log) -> dict:
     """StepCosts per drafter that runs `auto`, profiled once on this machine (K up to max(auto K, P))."""
-    from raysd.engine.adaptive import profile_step_costs
+    from raysd.models.profile import profile_step_costs
 
     if "auto" not in a.ks or a.auto_costs == "learned":
         return {}

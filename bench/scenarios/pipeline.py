@@ -70,15 +70,15 @@ def job_config(drafter: str, k, batch: int, max_new: int, **paths):
 def engine_run(prompts, drafter, k, batch, a) -> dict:
     import torch
 
+    from bench.models import Models
     from raysd.core.sampling import SamplingParams
     from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
-    from raysd.engine.adaptive import profile_step_costs
     from raysd.engine.engine import EngineConfig, SpecEngine
     from raysd.engine.requests import Request
     from raysd.jobs.config import AUTO_MAX_K
     from raysd.jobs.profiles import cached_step_costs
     from raysd.models.loading import ModelSpec, eos_token_ids, load_model
-    from bench.models import Models
+    from raysd.models.profile import profile_step_costs
 
     torch.set_num_threads(int(job_config(drafter, k, batch, a.max_new_tokens).actor_cpus[0]))
     start = time.perf_counter()

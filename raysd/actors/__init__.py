@@ -12,11 +12,11 @@ _EXPORTS = {
     "RunOutput": "raysd.actors.coordinator",
     "RunReport": "raysd.actors.coordinator",
     "SpecCoordinator": "raysd.actors.coordinator",
-    "DrafterSpec": "raysd.actors.model_actors",
-    "TransferStats": "raysd.actors.transport",
+    "DrafterSpec": "raysd.actors.wire",
+    "TransferStats": "raysd.actors.wire",
     "decode_proposal": "raysd.actors.transport",
     "encode_proposal": "raysd.actors.transport",
-    "pickled_nbytes": "raysd.actors.transport",
+    "pickled_nbytes": "raysd.actors.wire",
 }
 
 __all__ = sorted(_EXPORTS)

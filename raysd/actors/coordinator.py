@@ -52,24 +52,21 @@ from raysd.actors.launch import (  # noqa: F401 - ActorResources: re-exported, w
     start_targets,
 )
 from raysd.actors.local import exit_when_orphaned
-from raysd.actors.model_actors import (
+from raysd.actors.turns import Doorbell
+from raysd.actors.wire import (
     ActorInfo,
-    DraftActor,
     DrafterSpec,
     MicroBatchStateLost,
     ModelFactory,
     StepCall,
-    TargetActor,
     TensorParallelGroupBroken,
+    TransferStats,
+    pickled_nbytes,
 )
-from raysd.actors.transport import TransferStats, pickled_nbytes
-from raysd.actors.turns import Doorbell
 from raysd.core.speculation import SpeculationConfig, StepCosts
-from raysd.engine.batch import Verdict
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
-from raysd.engine.step import StepTimings
-from raysd.models.runner import check_runner_kind
-from raysd.models.tensor_parallel import TensorParallel
+from raysd.engine.verdict import StepTimings, Verdict
+from raysd.models.names import TensorParallel, check_runner_kind
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -192,16 +189,31 @@ class _MicroBatch:
         self.rows, self.new, self.last, self.fresh, self.busy = [], [], None, True, False
 
 
+def _target_actor(*args, **kwargs):
+    """raysd.actors.model_actors.TargetActor, made in the target actor's process: this module
+    names it without importing that one (torch, transformers), which a replica's process never needs."""
+    from raysd.actors.model_actors import TargetActor
+
+    return TargetActor(*args, **kwargs)
+
+
+def _draft_actor(*args, **kwargs):
+    """raysd.actors.model_actors.DraftActor, made in the draft actor's process (as `_target_actor`)."""
+    from raysd.actors.model_actors import DraftActor
+
+    return DraftActor(*args, **kwargs)
+
+
 def target_build(target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig, tokenizer_factory=None,
                  tensor_parallel: TensorParallel = TensorParallel()):
     """How one rank's target actor (raysd.actors.launch.TargetActor) builds its TargetActor: picklable."""
-    return functools.partial(TargetActor, target_factory, config.runner, drafter if drafter.colocated else None, tokenizer_factory,
+    return functools.partial(_target_actor, target_factory, config.runner, drafter if drafter.colocated else None, tokenizer_factory,
                              tensor_parallel=tensor_parallel, cuda_graphs=config.cuda_graphs, compile=config.compile)
 
 
 def draft_build(drafter: DrafterSpec, config: CoordinatorConfig):
     """How the draft actor (raysd.actors.launch.DraftActor) builds its DraftActor, given the target's name: picklable."""
-    return functools.partial(DraftActor, drafter, measure_bytes=config.measure_bytes)
+    return functools.partial(_draft_actor, drafter, measure_bytes=config.measure_bytes)
 
 
 class SpecCoordinator:

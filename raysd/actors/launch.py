@@ -3,10 +3,9 @@
 The model actors' Ray classes here are hosts: each builds its actor (raysd.actors.model_actors:
 TargetActor, DraftActor) in its own process from a picklable `build` callable and forwards every
 call to it, as vLLM's RayWorkerWrapper hosts its worker. Nothing here imports torch, so a job's
-replica (raysd.jobs.replica) starts its model actors first and imports torch and the engine while
-they import theirs and load their models: on a fresh replica the two imports overlap instead of
-running one after the other. `SpecCoordinator` starts its actors through here too (one way to
-start them), and takes actors started ahead of it (`ModelActors`).
+replica (raysd.jobs.replica) starts its model actors first, and they import theirs and load their
+models while the replica sets up its coordinator and tokenizer. `SpecCoordinator` starts its
+actors through here too (one way to start them), and takes actors started ahead of it (`ModelActors`).
 
 The hosts keep the actors' class names, which Ray shows (`ray::TargetActor`) and which the chaos
 tests and the soak look processes up by.

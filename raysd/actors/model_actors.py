@@ -18,167 +18,84 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from raysd.actors.local import exit_when_orphaned
-from raysd.actors.transport import (
-    ENCODINGS,
-    ProbsEncoding,
+from raysd.actors.transport import WireProposal, decode_proposal, encode_proposal
+from raysd.actors.turns import Doorbell, Ringer
+from raysd.actors.wire import (
+    ActorInfo,
+    DrafterSpec,
+    MicroBatchStateLost,
+    ModelFactory,
+    StepCall,
+    TensorParallelGroupBroken,
     TransferStats,
-    WireProposal,
-    decode_proposal,
-    encode_proposal,
     pickled_nbytes,
 )
-from raysd.actors.turns import Doorbell, Ringer, borrowed_threads
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.adaptive import KController, PlainRun
-from raysd.engine.batch import Plan, Verdict, merge_plain
-from raysd.engine.draft_assist import DraftAssistDrafter, check_draft_assist, profile_assist_costs
+from raysd.engine.draft_assist import DraftAssistDrafter, profile_assist_costs
 from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import decoder
-from raysd.engine.requests import Request
-from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, StepTimings, speculative_step
-from raysd.engine.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
+from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, speculative_step
+from raysd.engine.suffix import SuffixDrafter, SuffixIndex
 from raysd.engine.target import TargetSide
+from raysd.engine.verdict import Plan, StepTimings, Verdict, merge_plain
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import eos_token_ids, max_model_len, model_dtype, output_vocab_size
+from raysd.models.names import TensorParallel
 from raysd.models.profile import time_forward, time_forward_upto
-from raysd.models.runner import check_runner_kind
 from raysd.models.static_runner import supports_static
-from raysd.models.tensor_parallel import TensorParallel, default_backend, free_address, init_group, shard_model
+from raysd.models.tensor_parallel import default_backend, free_address, init_group, shard_model
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
 
-ModelFactory = Callable[[], "PreTrainedModel"]  # picklable, e.g. functools.partial(load_model, spec)
-MODEL_FREE_DRAFTERS = ("ngram", "suffix")
+
+def build_drafter(spec: DrafterSpec, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int,
+                  device: torch.device, assist_costs: StepCosts | None = None, suffix_index: SuffixIndex | None = None) -> Drafter:
+    """The drafter `spec` describes, on this actor's `model` (None: model-free). `assist_costs`: the
+    draft model's step costs for the assist k (profile_assist_costs), under assist_adaptive;
+    `suffix_index`: the finished rows a suffix drafter shares with the actor's others."""
+    if model is None:
+        if spec.model_free == "suffix":
+            return SuffixDrafter(target_vocab_size, suffix_index, spec.suffix, device)
+        return NgramDrafter(target_vocab_size, device, spec.min_ngram, spec.max_ngram)
+    if isinstance(model, EagleDraft):
+        if spec.draft_assist != "none":
+            raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
+        if spec.cuda_graphs or spec.compile:
+            raise ValueError("cuda_graphs and compile take a draft model's forwards, not an EAGLE feature draft's")
+        return FeatureDrafter(model, target_vocab_size, runner=spec.runner)
+    if spec.draft_assist == "ngram":
+        adaptive = AdaptiveConfig(assist_costs) if spec.assist_adaptive and assist_costs is not None else None
+        return DraftAssistDrafter(model, target_vocab_size, draft_top_m=spec.draft_top_m, runner=spec.runner,
+                                  assist_k=spec.assist_k, assist_adaptive=adaptive,
+                                  min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+    return DraftModelDrafter(model, target_vocab_size, draft_top_m=spec.draft_top_m, runner=spec.runner,
+                             cuda_graphs=spec.cuda_graphs, compile=spec.compile)
 
 
-class MicroBatchStateLost(RuntimeError):
-    """The actor has no state for a micro-batch it was asked to step: it was restarted."""
-
-
-class TensorParallelGroupBroken(RuntimeError):
-    """A collective of a tensor-parallel target failed (a peer rank died): the group is gone, and
-    every rank must be started afresh in a new one."""
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    """How an actor builds its drafter; picklable."""
-
-    model_factory: ModelFactory | None = None  # None: a model-free drafter (`model_free`); an EagleDraft: a feature draft
-    model_free: str = "ngram"  # without a model: "ngram" (prompt lookup) or "suffix" (raysd.engine.suffix)
-    suffix: SuffixConfig = SuffixConfig()  # the suffix drafter's settings (its index is shared by the actor's micro-batches)
-    draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see DraftModelDrafter)
-    min_ngram: int = 1
-    max_ngram: int = 3
-    probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
-    runner: str = "auto"  # the draft model's KV cache (raysd.models.runner)
-    # A draft model's one-token forwards replayed as CUDA graphs (DraftModelDrafter; static runner, CUDA).
-    cuda_graphs: bool = False
-    compile: bool = False  # a draft model's small forwards through torch.compile (DraftModelDrafter)
-    # Draft assist (raysd.engine.draft_assist): "ngram" lets n-gram lookup draft for the draft model,
-    # at most `assist_k` per draft-model step, chosen by goodput on the draft model's step costs
-    # profiled in the actor at `assist_batch_sizes` (`assist_adaptive`), else always assist_k.
-    draft_assist: str = "none"
-    assist_k: int = 4
-    assist_adaptive: bool = True
-    assist_batch_sizes: tuple[int, ...] = (1, 16)
-    # A model-free drafter (n-gram lookup, or no drafting) runs inside the target actor, beside
-    # the rows' tokens: a step is then one call to one actor, with no draft actor to keep in
-    # step. In its own actor it would cost a round trip per step and overlap nothing, as it has
-    # no model to run (docs/actors.md). False keeps it in a draft actor of its own.
-    colocate: bool = True
-
-    @property
-    def colocated(self) -> bool:
-        """Whether the coordinator runs this drafter inside the target actor (no draft actor)."""
-        return self.colocate and self.model_factory is None
-
-    def __post_init__(self) -> None:
-        check_runner_kind(self.runner)
-        check_draft_assist(self.draft_assist)
-        if self.model_free not in MODEL_FREE_DRAFTERS:
-            raise ValueError(f"model_free must be one of {MODEL_FREE_DRAFTERS}, got {self.model_free!r}")
-        if self.draft_assist != "none" and self.model_factory is None:
-            raise ValueError(f"draft assist {self.draft_assist!r} needs a draft model")
-        if not 0 <= self.assist_k <= 64:
-            raise ValueError(f"assist_k must be in 0..64, got {self.assist_k}")
-        if self.draft_top_m < 0:
-            raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {self.draft_top_m}")
-        if self.draft_top_m and self.model_factory is None:
-            raise ValueError("draft_top_m needs a draft model")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if (self.cuda_graphs or self.compile) and (self.model_factory is None or self.runner == "dynamic"
-                                                   or self.draft_assist != "none"):
-            raise ValueError(f"{'cuda_graphs' if self.cuda_graphs else 'compile'} needs a draft model on the static runner "
-                             "(runner 'auto' or 'static'), without draft assist")
-        if self.probs_encoding not in ENCODINGS:
-            raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
-
-    def build(self, model: PreTrainedModel | EagleDraft | None, target_vocab_size: int, device: torch.device,
-              assist_costs: StepCosts | None = None, suffix_index: SuffixIndex | None = None) -> Drafter:
-        """`assist_costs`: the draft model's step costs for the assist k (profile_assist_costs), under
-        assist_adaptive; `suffix_index`: the finished rows a suffix drafter shares with the actor's others."""
-        if model is None:
-            if self.model_free == "suffix":
-                return SuffixDrafter(target_vocab_size, suffix_index, self.suffix, device)
-            return NgramDrafter(target_vocab_size, device, self.min_ngram, self.max_ngram)
-        if isinstance(model, EagleDraft):
-            if self.draft_assist != "none":
-                raise ValueError("draft assist takes a draft model, not an EAGLE feature draft")
-            if self.cuda_graphs or self.compile:
-                raise ValueError("cuda_graphs and compile take a draft model's forwards, not an EAGLE feature draft's")
-            return FeatureDrafter(model, target_vocab_size, runner=self.runner)
-        if self.draft_assist == "ngram":
-            adaptive = AdaptiveConfig(assist_costs) if self.assist_adaptive and assist_costs is not None else None
-            return DraftAssistDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
-                                      assist_k=self.assist_k, assist_adaptive=adaptive,
-                                      min_ngram=self.min_ngram, max_ngram=self.max_ngram)
-        return DraftModelDrafter(model, target_vocab_size, draft_top_m=self.draft_top_m, runner=self.runner,
-                                 cuda_graphs=self.cuda_graphs, compile=self.compile)
-
-
-@dataclass(frozen=True)
-class StepCall:
-    """What happened to a micro-batch's rows since its last step, applied before the next: the
-    last step's verdict (the draft side applies it; the target applied it already) and the rows
-    admitted since ((caller's index, request) pairs). `spec` (resolved: Admission.spec) starts the
-    micro-batch afresh, with no rows; `feature_draft` then says whether the drafter reads the
-    target's features (EAGLE)."""
-
-    mb: int
-    spec: SpeculationConfig | None = None
-    verdict: Verdict | None = None
-    new_rows: tuple[tuple[int, Request], ...] = ()
-    feature_draft: bool = False
-    max_steps: int = 1  # a colocated drafter's steps per call, or a draft actor's plain run at most (TargetActor.step)
-    device_proposal: bool = False  # the draft returns its proposal's device tensors (a GPU-to-GPU channel)
-    verify_s: float = 0.0  # with `verdict`: the target's seconds for that step (costs learned as the job runs)
-    # The steps the micro-batch's last call ran, with its verdict or without (the micro-batch emptied
-    # and starts afresh): a plain run's end (Proposed.steps). 0: none, or unknown after a recovery.
-    last_steps: int = 0
-    # The draft actor lends the target its CPU threads for the call (SpecCoordinator.lend_threads).
-    lend_threads: bool = False
-    # The coordinator's doorbell on the target's node, and this call's ticket: the target (rank 0)
-    # rings it when the call ends, and the coordinator sleeps until then (raysd.actors.turns).
-    caller_doorbell: str | None = None
-    ticket: int = 0
-    # The target actor's doorbell, through a call the draft actor lends its threads to: the draft
-    # rings it (with `ticket`) once its proposal is ready, and the target sleeps until then
-    # (`TargetActor.await_proposal`) rather than spin in the channel read beside the drafting.
-    proposal_doorbell: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.spec is not None and self.verdict is not None:
-            raise ValueError("a fresh micro-batch has no verdict to apply")
+@contextmanager
+def borrowed_threads(lent: int):
+    """This process's torch runs `lent` more threads inside the block. Exact either way: a thread
+    count changes at most float32's last bits of a product (as a batch shape does), never the rule
+    that turns the target's probabilities into tokens."""
+    if lent <= 0:
+        yield
+        return
+    own = torch.get_num_threads()
+    torch.set_num_threads(own + lent)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(own)
 
 
 class _Sides:
@@ -259,23 +176,6 @@ def on_device(proposal: Proposal, device: torch.device) -> Proposal:
 
 
 @dataclass(frozen=True)
-class ActorInfo:
-    pid: int
-    device: str
-    vocab_size: int
-    max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
-    feature_draft: bool = False  # the draft reads the target's features (EAGLE)
-    supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
-    gpu: tuple[str, str] | None = None  # (node id, Ray's GPU id) of the actor's GPU; None on the CPU
-    dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
-    node: str | None = None  # the Ray node id of its process (None outside Ray)
-    tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
-    eos_token_ids: tuple[int, ...] = ()  # the target's (generation config, else model config); () for a draft
-    lends_threads: bool = False  # a draft actor that can lend its CPU threads to the target (raysd.actors.turns)
-    doorbell: str | None = None  # a target actor's on the CPU, where a lending draft wakes it (StepCall.proposal_doorbell)
-
-
-@dataclass(frozen=True)
 class Proposed:
     """What the draft actor sends the target actor for one micro-batch step: the proposal as a
     host `WireProposal` (lossless sparse or dense numpy), or, over a GPU-to-GPU channel, the
@@ -333,8 +233,8 @@ class DraftActor:
             with torch.inference_mode():
                 self.assist_costs = profile_assist_costs(self.model, spec.assist_k, spec.assist_batch_sizes)
         self.suffix_index = SuffixIndex(spec.suffix.max_cached_sequences, spec.suffix.max_cached_tokens)
-        self.sides = _Sides(lambda call: DraftSide(spec.build(self.model, target_vocab_size, self.device,
-                                                              self.assist_costs, self.suffix_index), call.spec, self.device))
+        self.sides = _Sides(lambda call: DraftSide(build_drafter(spec, self.model, target_vocab_size, self.device,
+                                                                   self.assist_costs, self.suffix_index), call.spec, self.device))
         self.planner = _Planner()
         self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
         self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
@@ -477,7 +377,7 @@ class TargetActor:
                                 cuda_graphs=cuda_graphs, compile=compile)
             if drafter is None:
                 return target
-            built = drafter.build(None, self.vocab_size, self.device, suffix_index=self.suffix_index)
+            built = build_drafter(drafter, None, self.vocab_size, self.device, suffix_index=self.suffix_index)
             return DraftSide(built, call.spec, self.device), target
 
         self.sides = _Sides(make)

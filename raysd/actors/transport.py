@@ -14,22 +14,18 @@ test never reads them (see raysd.core.rejection), and the overlap there is cut b
 VerifyOutput.per_row.
 
 The wire format holds numpy arrays: pickle protocol 5 (what Ray uses) sends them as
-out-of-band buffers without a copy, and `pickled_nbytes` counts them the same way.
+out-of-band buffers without a copy, and `pickled_nbytes` (raysd.actors.wire) counts them the same way.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
+from raysd.actors.wire import ENCODINGS, ProbsEncoding
 from raysd.engine.drafters import Proposal
-
-ProbsEncoding = Literal["auto", "dense", "sparse"]
-ENCODINGS = ("auto", "dense", "sparse")
 
 
 @dataclass(frozen=True)
@@ -86,45 +82,6 @@ def decode_proposal(wire: WireProposal, device: torch.device | str = "cpu") -> P
     return Proposal(ids, num, probs, tuple(int(n) for n in wire.num_draft_tokens))  # host counts: commit reads nothing back
 
 
-def pickled_nbytes(obj) -> int:
-    """Bytes `obj` takes pickled with protocol 5, out-of-band buffers (numpy arrays)
-    counted at their size without copying them."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    return len(head) + sum(b.raw().nbytes for b in buffers)
-
-
 def dense_probs_nbytes(batch_size: int, num_drafts: int, vocab_size: int) -> int:
     """The float32 draft_probs [B, K, V] alone: what a dense proposal costs at least."""
     return batch_size * num_drafts * vocab_size * 4
-
-
-@dataclass
-class TransferStats:
-    """Bytes crossing actor boundaries over a run, as pickled (see pickled_nbytes).
-
-    proposal: draft actor -> target actor (through the object store, never the coordinator).
-    dense_equivalent: what the proposals' draft_probs would have cost dense.
-    draft_args / target_args: coordinator -> actor (row updates and K).
-    results: target actor -> coordinator (ragged tokens and statistics).
-    features: target actor -> draft actor, a feature draft's target features (tensor bytes;
-        through the object store, never the coordinator).
-    """
-
-    steps: int = 0
-    proposal: int = 0
-    dense_equivalent: int = 0
-    draft_args: int = 0
-    target_args: int = 0
-    results: int = 0
-    features: int = 0
-    sparse_steps: int = 0  # steps whose proposal travelled sparse
-
-    @property
-    def total(self) -> int:
-        return self.proposal + self.draft_args + self.target_args + self.results + self.features
-
-    def per_step(self) -> dict[str, float]:
-        n = max(self.steps, 1)
-        fields = ("proposal", "dense_equivalent", "draft_args", "target_args", "results", "features", "total")
-        return {name: getattr(self, name) / n for name in fields}

@@ -3,7 +3,7 @@
 With one micro-batch the draft actor and the target actor never compute at once: while the target
 verifies (or decodes a plain run, Proposed.steps), the draft actor waits for the next call. On a
 machine of few cores the target then runs faster with the draft actor's threads as well as its
-own (`borrowed_threads`), but only if the draft actor truly sleeps: Ray 2.60's compiled-graph
+own (raysd.actors.model_actors.borrowed_threads), but only if the draft actor truly sleeps: Ray 2.60's compiled-graph
 channel read spins (sched_yield in PlasmaObjectHeader::ReadAcquire), and a spinning process beside
 a two-thread product makes it slower than one thread alone (2 cores, the fast-step target's decode
 step: B = 8 9.3 ms against 6.6 ms on one thread and 5.3 ms on two; B = 32 12.5, 11.2, 8.0 ms).
@@ -28,25 +28,6 @@ import socket
 import sys
 import time
 import uuid
-from contextlib import contextmanager
-
-import torch
-
-
-@contextmanager
-def borrowed_threads(lent: int):
-    """This process's torch runs `lent` more threads inside the block. Exact either way: a thread
-    count changes at most float32's last bits of a product (as a batch shape does), never the rule
-    that turns the target's probabilities into tokens."""
-    if lent <= 0:
-        yield
-        return
-    own = torch.get_num_threads()
-    torch.set_num_threads(own + lent)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(own)
 
 
 class Doorbell:

@@ -3,9 +3,10 @@ EOS and the length limit (`SpeculationConfig`), embedded by the engine's, the co
 and the job's configs. No torch here: a job's config is checked anywhere, even in a process
 that only moves rows.
 
-`StepCosts` are measured step times (raysd.engine.adaptive.profile_step_costs, cached per
+`StepCosts` are measured step times (raysd.models.profile.profile_step_costs, cached per
 machine by the jobs layer); the adaptive controller (raysd.engine.adaptive.KController) weighs
-them against the rows' acceptance to choose each step's K and tree.
+them against the rows' acceptance to choose each step's K and tree. `SuffixConfig` bounds the
+suffix drafter (raysd.engine.suffix).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Measured seconds per step at a few batch sizes (raysd.engine.adaptive.profile_step_costs)."""
+    """Measured seconds per step at a few batch sizes (raysd.models.profile.profile_step_costs)."""
 
     batch_sizes: tuple[int, ...]  # increasing
     target_s: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][K_max + 1]: T_target(B, K + 1) for K = 0..K_max
@@ -169,3 +170,30 @@ class SpeculationConfig:
     @property
     def lossy(self) -> bool:
         return not self.acceptance.exact
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """How the suffix drafter (raysd.engine.suffix) matches a row's suffix, and how much its index keeps."""
+
+    max_match: int = 32  # longest suffix of a row matched
+    min_match: int = 1  # shorter matches draft nothing
+    max_spec_factor: float = 1.0  # at most max_spec_factor * n + max_spec_offset drafts after a match of n tokens
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # stop where the draft's estimated acceptance (a product) drops below this
+    # Bounds the work per row: only the most recent occurrences of its last token, per source, are matched.
+    max_occurrences: int = 1024
+    max_cached_sequences: int = 10_000  # the job's index (when the drafter makes its own): oldest evicted first
+    max_cached_tokens: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+        if self.max_spec_factor < 0 or self.max_spec_offset < -self.max_spec_factor * self.max_match:
+            raise ValueError(f"need max_spec_factor >= 0 and some match to allow drafts, got {self}")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.max_occurrences < 1:
+            raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
+        if self.max_cached_sequences < 0 or self.max_cached_tokens < 0:
+            raise ValueError(f"index bounds must be >= 0, got {self.max_cached_sequences}, {self.max_cached_tokens}")

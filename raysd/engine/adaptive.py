@@ -45,8 +45,6 @@ import numpy as np
 from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.core.theory import expected_tokens_batch
 from raysd.core.tree_shape import RANK_PRIOR, TreeShape, tree_shape
-from raysd.models.profile import time_forward, time_forward_upto
-
 
 FIRST_REPLAIN, MAX_REPLAIN = 8, 256  # LearnedStepCosts.wants_plain: drafting steps between plain re-timings
 REST_ABOVE = 0.01  # KController.resting: a confidence estimate costing more than this share of a plain step...
@@ -548,15 +546,3 @@ class LearnedStepCosts:
 
     def draft(self, batch_size: int) -> float:
         return self._nearest(self.draft_forward, batch_size) or 0.0
-
-
-def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence[int] = (1, 4, 16, 64),
-                       context: int = 128, reps: int = 3, runner: str = "auto") -> StepCosts:
-    """Measure StepCosts on the machine at hand: T_target(B, K + 1) for K = 0..k_max and one
-    draft forward per batch size (a model-free drafter counts as free), both on the runner the
-    engine runs them on (EngineConfig.runner, DraftModelDrafter's runner)."""
-    target_s, draft_s = [], []
-    for B in batch_sizes:
-        target_s.append(tuple(time_forward_upto(target, B, k_max, context, reps, runner)))
-        draft_s.append(time_forward(draft, B, [0], context, reps, runner)[0] if draft is not None else 0.0)
-    return StepCosts(tuple(batch_sizes), tuple(target_s), tuple(draft_s))

@@ -50,13 +50,13 @@ from raysd.core.sampling import logits_to_probs
 from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.engine.adaptive import KController
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
+from raysd.models.names import DRAFT_ASSISTS
 from raysd.models.profile import time_forward
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
 
 INNER_SALT = 0x9E3779B9  # the `positions` key of the middle level's draws (any constant < 2^32)
-DRAFT_ASSISTS = ("none", "ngram")  # what may draft for the draft model: nothing (two levels), n-gram lookup
 
 
 @dataclass

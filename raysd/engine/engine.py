@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import KController
-from raysd.engine.batch import Verdict
 from raysd.engine.draft_assist import DraftAssistDrafter
 from raysd.engine.drafters import Drafter
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
-from raysd.engine.step import DraftSide, StepHook, StepTimings, speculative_step
+from raysd.engine.step import DraftSide, StepHook, speculative_step
 from raysd.engine.target import TargetSide
+from raysd.engine.verdict import StepTimings, Verdict
 from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len, output_vocab_size
 from raysd.models.runner import check_runner_kind

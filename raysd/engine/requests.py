@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
 
-from raysd.core.sampling import SamplingParams
+from raysd.core.params import SamplingParams
 from raysd.core.speculation import Acceptance, SpeculationConfig
 from raysd.core.stats import SpecDecodeStats
 

@@ -16,7 +16,6 @@ the engine and through the actors, whatever the batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -26,29 +25,14 @@ from raysd.core.draws import step_uniforms
 from raysd.core.sampling import SamplingTensors
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import PlainRun
-from raysd.engine.batch import Batch, Plan, Verdict
+from raysd.engine.batch import Batch
 from raysd.engine.drafters import Drafter, Proposal
 from raysd.engine.requests import Request
 from raysd.engine.target import TargetSide
+from raysd.engine.verdict import Plan, StepTimings, Verdict
 
 if TYPE_CHECKING:
     from raysd.engine.adaptive import KController
-
-
-@dataclass
-class StepTimings:
-    """Seconds and counts over the steps a hook has seen (and, filled by the engine that runs
-    them, its admissions and wall time)."""
-
-    draft_s: float = 0.0  # proposing (a cold drafter's deferred prefill excluded)
-    verify_s: float = 0.0  # the target pass, the rejection test, the read-back, the bookkeeping
-    prefill_s: float = 0.0  # prompts: both sides' at admission, a cold drafter's at its first drafting step
-    steps: int = 0
-    drafted_steps: int = 0  # steps with k > 0
-    row_steps: int = 0  # rows decoded, summed over steps: occupancy = row_steps / (steps x batch slots)
-    generated_tokens: int = 0
-    wall_s: float = 0.0
-    borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
 
 
 class StepHook:

@@ -33,37 +33,13 @@ from typing import Sequence
 
 import numpy as np
 
+from raysd.core.speculation import SuffixConfig
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.drafters import Drafter, Proposal
 
 SELF, OTHER = 0, 1  # where a draft came from: the row's own tokens, or the rows finished before it
 PROVENANCE = ("drafted_self", "drafted_other", "accepted_self", "accepted_other")
 MATCH_BLOCK = 16  # suffix positions compared per numpy pass: long matches in few passes, few wasted
-
-
-@dataclass(frozen=True)
-class SuffixConfig:
-    max_match: int = 32  # longest suffix of a row matched
-    min_match: int = 1  # shorter matches draft nothing
-    max_spec_factor: float = 1.0  # at most max_spec_factor * n + max_spec_offset drafts after a match of n tokens
-    max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1  # stop where the draft's estimated acceptance (a product) drops below this
-    # Bounds the work per row: only the most recent occurrences of its last token, per source, are matched.
-    max_occurrences: int = 1024
-    max_cached_sequences: int = 10_000  # the job's index (when the drafter makes its own): oldest evicted first
-    max_cached_tokens: int = 2_000_000
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_match <= self.max_match:
-            raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
-        if self.max_spec_factor < 0 or self.max_spec_offset < -self.max_spec_factor * self.max_match:
-            raise ValueError(f"need max_spec_factor >= 0 and some match to allow drafts, got {self}")
-        if not 0.0 <= self.min_token_prob <= 1.0:
-            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
-        if self.max_occurrences < 1:
-            raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
-        if self.max_cached_sequences < 0 or self.max_cached_tokens < 0:
-            raise ValueError(f"index bounds must be >= 0, got {self.max_cached_sequences}, {self.max_cached_tokens}")
 
 
 class _Growing:

@@ -16,10 +16,11 @@ from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, s
 from raysd.core.speculation import SpeculationConfig
 from raysd.core.tree import tree_rejection_sample
 from raysd.core.tree_shape import TreeShape, rank_visits
-from raysd.engine.batch import Batch, Plan, Verdict, fill_holes
+from raysd.engine.batch import Batch, fill_holes
 from raysd.engine.cache_rows import CacheRows
 from raysd.engine.drafters import Proposal
 from raysd.engine.requests import Request
+from raysd.engine.verdict import Plan, Verdict
 from raysd.models.features import FeatureTap
 from raysd.models.runner import make_runner
 from raysd.models.static_runner import StaticRunner

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS  # what --logprobs-mode and --top-logprobs take
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
 from raysd.jobs.schema import MAX_NUM_SAMPLES
 from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
     AUTO_DTYPE,
     DEFAULT_MODEL,
+    DRAFT_ASSISTS,
     DTYPE_CHOICES,
     MODEL_FREE,
     NO_DRAFT,
@@ -34,13 +36,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
 # there: checking a config must not import torch.
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DRAFT_ASSISTS = ("none", "ngram")  # what drafts for the draft model (raysd.engine.draft_assist.DRAFT_ASSISTS)
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
-# What --top-logprobs and --logprobs-mode take: raysd.core.sampling's MAX_TOP_LOGPROBS and
-# LOGPROBS_MODES, repeated here because checking a config must not import torch (that module
-# does); tests/jobs/test_options.py checks they agree.
-MAX_TOP_LOGPROBS = 20
-LOGPROBS_MODES = ("raw", "processed")
 
 
 def _is_int(x) -> bool:

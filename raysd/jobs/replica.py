@@ -22,9 +22,9 @@ from raysd.jobs.config import GenerateConfig
 from raysd.jobs.schema import num_samples_of
 from raysd.models.names import SUFFIX
 
-if TYPE_CHECKING:  # this module imports no torch: a replica starts its model actors before it does (GenerationReplica)
+if TYPE_CHECKING:  # a replica's process imports no torch (tests/jobs/test_light_imports.py)
     from raysd.actors.launch import ModelActors
-    from raysd.core.sampling import SamplingParams
+    from raysd.core.params import SamplingParams
 
 _MAX_SEED = 2**63 - 1
 
@@ -112,7 +112,7 @@ def _row_stop(value, default: tuple[str, ...]) -> tuple[tuple[str, ...] | None, 
 def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, int, str | None]:
     """(params, seed, None) or (None, seed, why not): the job's values with the row's overrides
     (OVERRIDE_COLUMNS), for the row's sample 0 (`sample_seed` gives the others' seeds)."""
-    from raysd.core.sampling import SamplingParams
+    from raysd.core.params import SamplingParams
 
     seed = row.get("seed")
     if seed is None:
@@ -371,9 +371,9 @@ class GenerationReplica:
         self.K = cfg.effective_num_speculative_tokens
         if stop_strings is None:
             stop_strings = bool(cfg.stop)
-        # The model actors first: this process has not imported torch yet (raysd.actors.launch), and
-        # imports it and the engine below while they import theirs and load their models. A
-        # tensor-parallel target's ranks are started by the coordinator, which restarts them together.
+        # The model actors first (raysd.actors.launch): they import torch and load their models while
+        # this process sets up the coordinator and the tokenizer. A tensor-parallel target's ranks are
+        # started by the coordinator, which restarts them together.
         actors = None
         if cfg.target_tensor_parallel == 1:
             target_res, draft_res = actor_resources(cfg)

@@ -1,12 +1,15 @@
-"""Names of models, draft kinds and dtypes: what a config check needs, without torch.
+"""Names of models, draft kinds, dtypes and runners, and a rank's place in a tensor-parallel
+group: what a config check needs, without torch.
 
-`raysd.jobs.config` validates a job from these alone, so the Ray Data actors that only move rows
-(the id stage, a replica before its models start) import no torch or transformers (~3 s each on a
-2-core machine). `raysd.models.loading` loads what they name.
+`raysd.jobs.config` validates a job from these alone, and a replica's coordinator
+(raysd.actors.coordinator) builds its actors' configs from them, so the Ray Data actors that only
+move rows (the id stage, a replica) import no torch or transformers (~3 s each on a 2-core
+machine). `raysd.models.loading` loads what they name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded default, as users name it
@@ -48,3 +51,30 @@ def draft_kind(name: str) -> str:
     if name == DEFAULT_DRAFT or (Path(name).expanduser() / DRAFT_CONFIG_FILE).is_file():
         return "layers"
     return "model"
+
+
+# The KV-cache runners (raysd.models.runner): "auto" takes the static one where the model supports it.
+RUNNER_KINDS: tuple[str, ...] = ("auto", "static", "dynamic")
+DRAFT_ASSISTS = ("none", "ngram")  # what may draft for the draft model (raysd.engine.draft_assist): nothing (two levels), n-gram lookup
+
+
+def check_runner_kind(kind: str, cuda_graphs: bool = False, compile: bool = False) -> None:
+    """A runner kind, and the options that only the static runner takes."""
+    if kind not in RUNNER_KINDS:
+        raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {kind!r}")
+    if (cuda_graphs or compile) and kind == "dynamic":
+        raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: rank `rank` of `world_size`."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"tensor-parallel world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor-parallel rank must be in 0..{self.world_size - 1}, got {self.rank}")

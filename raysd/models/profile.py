@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from raysd.core.speculation import StepCosts
 from raysd.models.loading import output_vocab_size
 from raysd.models.runner import Runner, make_runner
 
@@ -109,3 +110,15 @@ def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, re
         w = 0.0 if hi == lo else (k - lo) / (hi - lo)
         out.append((1 - w) * measured[lo] + w * measured[hi])
     return out
+
+
+def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence[int] = (1, 4, 16, 64),
+                       context: int = 128, reps: int = 3, runner: str = "auto") -> StepCosts:
+    """Measure StepCosts on the machine at hand: T_target(B, K + 1) for K = 0..k_max and one
+    draft forward per batch size (a model-free drafter counts as free), both on the runner the
+    engine runs them on (EngineConfig.runner, DraftModelDrafter's runner)."""
+    target_s, draft_s = [], []
+    for B in batch_sizes:
+        target_s.append(tuple(time_forward_upto(target, B, k_max, context, reps, runner)))
+        draft_s.append(time_forward(draft, B, [0], context, reps, runner)[0] if draft is not None else 0.0)
+    return StepCosts(tuple(batch_sizes), tuple(target_s), tuple(draft_s))

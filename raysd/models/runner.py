@@ -14,22 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, Union
 
 from raysd.models.dynamic_runner import DynamicRunner
+from raysd.models.names import RUNNER_KINDS, check_runner_kind  # noqa: F401 - re-exported: where callers look for them
 from raysd.models.static_runner import StaticRunner, supports_static
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
 
 RunnerKind = Literal["auto", "static", "dynamic"]
-RUNNER_KINDS: tuple[str, ...] = ("auto", "static", "dynamic")
 Runner = Union[DynamicRunner, StaticRunner]
-
-
-def check_runner_kind(kind: str, cuda_graphs: bool = False, compile: bool = False) -> None:
-    """A runner kind, and the options that only the static runner takes."""
-    if kind not in RUNNER_KINDS:
-        raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {kind!r}")
-    if (cuda_graphs or compile) and kind == "dynamic":
-        raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
 
 
 def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,

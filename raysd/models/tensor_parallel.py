@@ -31,27 +31,14 @@ weight on the first forward, and the row-parallel wrapper keeps a plain nn.Linea
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from raysd.models.names import TensorParallel
+
 TP_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})  # as raysd.models.static_runner.STATIC_MODEL_TYPES
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This process's place in a tensor-parallel group: rank `rank` of `world_size`."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"tensor-parallel world_size must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"tensor-parallel rank must be in 0..{self.world_size - 1}, got {self.rank}")
 
 
 def check_tensor_parallel(config, world_size: int) -> None:

@@ -116,7 +116,7 @@ def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     the draft's proposing, or the last result) plus the target's shortest recent time, less the
     slack; only once TRUSTED calls without new rows have been timed."""
     from raysd.actors import coordinator
-    from raysd.engine.step import StepTimings
+    from raysd.engine.verdict import StepTimings
 
     now, slept = [10.0], []
     monkeypatch.setattr(coordinator.time, "perf_counter", lambda: now[0])

@@ -11,7 +11,8 @@ import torch
 
 from raysd.actors.coordinator import ActorResources, CoordinatorConfig
 from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor
-from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal, pickled_nbytes
+from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal
+from raysd.actors.wire import pickled_nbytes
 from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor
-from raysd.actors.turns import Doorbell, Ringer, borrowed_threads
+from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor, borrowed_threads
+from raysd.actors.turns import Doorbell, Ringer
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.requests import Admission
 from tests.actors.actor_helpers import random_prompts, requests

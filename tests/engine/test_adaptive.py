@@ -139,7 +139,7 @@ def test_auto_k_drafts_long_when_the_draft_is_the_target():
 
 
 def test_profiled_costs_are_usable():
-    from raysd.engine.adaptive import profile_step_costs
+    from raysd.models.profile import profile_step_costs
 
     target = tiny_model("llama")
     costs = profile_step_costs(target, tiny_model("llama", seed=1, layers=1), k_max=3, batch_sizes=(1, 4), context=16, reps=1)

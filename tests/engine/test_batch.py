@@ -6,7 +6,8 @@ import numpy as np
 
 from raysd.core.sampling import SamplingParams
 from raysd.core.speculation import SpeculationConfig
-from raysd.engine.batch import Batch, Plan, Verdict
+from raysd.engine.batch import Batch
+from raysd.engine.verdict import Plan, Verdict
 from raysd.engine.requests import Request
 
 EOS = 2
@@ -59,7 +60,8 @@ def test_plain_steps_merge_into_one_verdict_that_a_batch_applies_as_the_steps():
     one verdict; a batch that applies it holds what one that applies the three holds."""
     import pytest
 
-    from raysd.engine.batch import STOP, merge_plain
+    from raysd.engine.batch import STOP
+    from raysd.engine.verdict import merge_plain
 
     def step(tokens, finish=(0, 0), keep=None, finished=()):
         zeros = np.zeros(2, dtype=np.int64)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from raysd.core.sampling import SamplingParams
 from raysd.core.speculation import SpeculationConfig
-from raysd.engine.batch import Plan
+from raysd.engine.verdict import Plan
 from raysd.engine.drafters import DraftModelDrafter
 from raysd.engine.engine import EngineConfig, SpecEngine
 from raysd.engine.requests import Request

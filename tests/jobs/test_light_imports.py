@@ -27,21 +27,49 @@ def test_pipeline_module_and_config_check_import_no_torch():
     assert out.stdout.strip() == "light", out.stdout
 
 
-COORDINATOR = """
-import sys
-import raysd.actors, raysd.engine.engine, raysd.jobs.replica
-print(",".join(m for m in ("transformers.modeling_utils", "transformers.masking_utils") if m in sys.modules) or "light")
+REPLICA = """
+import pickle, sys
+import raysd.actors, raysd.actors.coordinator, raysd.engine.adaptive, raysd.jobs.profiles, raysd.jobs.replica
+from raysd.actors.coordinator import draft_build, target_build
+from raysd.jobs import GenerateConfig
+from raysd.jobs.replica import actor_args
+for draft in ("none", "suffix", "smollm2-135m-instruct-draft", "smollm2-135m-instruct-eagle"):
+    cfg = GenerateConfig(input="in.jsonl", output="out", draft=draft).resolve_actor_cpus(2)
+    target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, True)
+    pickle.dumps((target_build(target_factory, drafter, ccfg, tokenizer_factory), draft_build(drafter, ccfg)))
+received = pickle.loads(sys.stdin.buffer.read())
+assert received[0].finished and received[0].logprobs is not None, received[0]
+print(",".join(m for m in ("torch", "transformers") if m in sys.modules) or "light")
 """
 
 
-def test_a_replica_process_imports_no_modeling_stack():
-    """A replica's process runs the coordinator loop and the tokenizer: no model, so none of
-    transformers' modeling stack (~2.5 s to import on a 2-core machine, on the path to the first
-    token since the replica creates its model actors after its imports). Only the model actors
-    import it, when they load a model."""
-    out = subprocess.run([sys.executable, "-c", COORDINATOR], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "light", out.stdout
+def test_a_replica_process_imports_no_torch():
+    """A replica's process runs the coordinator loop: it builds its actors' configs, starts them,
+    and reads what they send back (raysd.actors.wire, raysd.engine.verdict: plain records), so
+    it imports neither torch nor transformers (~2.5 s of CPU on a 2-core machine, at every job's
+    start) unless the target's tokenizer needs them (transformers' tokenizers import torch). The
+    records here are what model actors in process send for a step that finishes a row with its
+    log-probabilities."""
+    import dataclasses
+    import functools
+    import pickle
+
+    from raysd.actors.model_actors import DraftActor, DrafterSpec, StepCall, TargetActor
+    from raysd.core.params import SamplingParams
+    from raysd.core.speculation import SpeculationConfig
+    from raysd.engine.requests import Admission, Request
+    from tests.conftest import VOCAB, tiny_model
+
+    draft = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1, 1)), VOCAB)
+    target = TargetActor(functools.partial(tiny_model, "llama", 0))
+    spec = SpeculationConfig(num_speculative_tokens=2)
+    call = StepCall(0, Admission.of(spec, VOCAB, [512]).spec, None,
+                    ((0, Request(0, [5, 6, 7], SamplingParams(max_new_tokens=1, logprobs=True))),))
+    verdict, timings = target.step(dataclasses.replace(call, verdict=None), draft.propose(call))
+    blob = pickle.dumps((verdict, timings, target.info(), draft.info()))
+    out = subprocess.run([sys.executable, "-c", REPLICA], input=blob, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == "light", out.stdout
 
 
 DRIVER = """

@@ -111,13 +111,6 @@ def test_compile_reaches_the_runners_and_needs_the_static_one():
     assert SpecEngine(target, NoDrafter(VOCAB), EngineConfig()).target.rows.runner._compiled is None
 
 
-def test_config_constants_agree_with_the_sampler():
-    from raysd.core import sampling
-    from raysd.jobs import config
-
-    assert config.MAX_TOP_LOGPROBS == sampling.MAX_TOP_LOGPROBS and config.LOGPROBS_MODES == sampling.LOGPROBS_MODES
-
-
 def test_fingerprint_adds_new_keys_only_when_not_default():
     old_keys = {"prompt_column", "id_column", "split", "chat_template", "target", "target_dtype", "draft", "draft_dtype",
                 "num_speculative_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed"}

@@ -1,0 +1,188 @@
+"""What crosses between a replica's coordinator and its model actors, as plain records: how an
+actor builds its drafter (`DrafterSpec`), each step's call (`StepCall`), what an actor says of
+itself (`ActorInfo`), the failures the coordinator recovers from, and the bytes it all takes.
+
+Nothing here imports torch: the coordinator (raysd.actors.coordinator) only makes, sends and reads
+these, so a job's replica, which runs it, imports no torch or transformers for it (~2.5 s of CPU
+per replica on a 2-core machine, at every job's start). The model actors build from them
+(raysd.actors.model_actors). Proposals travel between the actors (raysd.actors.transport).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+from raysd.core.speculation import SpeculationConfig, SuffixConfig
+from raysd.engine.requests import Request
+from raysd.engine.verdict import Verdict
+from raysd.models.names import DRAFT_ASSISTS, TensorParallel, check_runner_kind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+ProbsEncoding = Literal["auto", "dense", "sparse"]  # how a proposal's draft_probs travel (raysd.actors.transport)
+ENCODINGS = ("auto", "dense", "sparse")
+
+ModelFactory = Callable[[], "PreTrainedModel"]  # picklable, e.g. functools.partial(load_model, spec)
+MODEL_FREE_DRAFTERS = ("ngram", "suffix")
+
+
+class MicroBatchStateLost(RuntimeError):
+    """The actor has no state for a micro-batch it was asked to step: it was restarted."""
+
+
+class TensorParallelGroupBroken(RuntimeError):
+    """A collective of a tensor-parallel target failed (a peer rank died): the group is gone, and
+    every rank must be started afresh in a new one."""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """How an actor builds its drafter (raysd.actors.model_actors.build_drafter); picklable."""
+
+    model_factory: ModelFactory | None = None  # None: a model-free drafter (`model_free`); an EagleDraft: a feature draft
+    model_free: str = "ngram"  # without a model: "ngram" (prompt lookup) or "suffix" (raysd.engine.suffix)
+    suffix: SuffixConfig = SuffixConfig()  # the suffix drafter's settings (its index is shared by the actor's micro-batches)
+    draft_top_m: int = 0  # > 0: the draft samples from its top-m tokens only (exact; see DraftModelDrafter)
+    min_ngram: int = 1
+    max_ngram: int = 3
+    probs_encoding: ProbsEncoding = "auto"  # "auto": lossless sparse whenever smaller than dense
+    runner: str = "auto"  # the draft model's KV cache (raysd.models.runner)
+    # A draft model's one-token forwards replayed as CUDA graphs (DraftModelDrafter; static runner, CUDA).
+    cuda_graphs: bool = False
+    compile: bool = False  # a draft model's small forwards through torch.compile (DraftModelDrafter)
+    # Draft assist (raysd.engine.draft_assist): "ngram" lets n-gram lookup draft for the draft model,
+    # at most `assist_k` per draft-model step, chosen by goodput on the draft model's step costs
+    # profiled in the actor at `assist_batch_sizes` (`assist_adaptive`), else always assist_k.
+    draft_assist: str = "none"
+    assist_k: int = 4
+    assist_adaptive: bool = True
+    assist_batch_sizes: tuple[int, ...] = (1, 16)
+    # A model-free drafter (n-gram lookup, or no drafting) runs inside the target actor, beside
+    # the rows' tokens: a step is then one call to one actor, with no draft actor to keep in
+    # step. In its own actor it would cost a round trip per step and overlap nothing, as it has
+    # no model to run (docs/actors.md). False keeps it in a draft actor of its own.
+    colocate: bool = True
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the coordinator runs this drafter inside the target actor (no draft actor)."""
+        return self.colocate and self.model_factory is None
+
+    def __post_init__(self) -> None:
+        check_runner_kind(self.runner)
+        if self.draft_assist not in DRAFT_ASSISTS:
+            raise ValueError(f"draft assist must be one of {DRAFT_ASSISTS}, got {self.draft_assist!r}")
+        if self.model_free not in MODEL_FREE_DRAFTERS:
+            raise ValueError(f"model_free must be one of {MODEL_FREE_DRAFTERS}, got {self.model_free!r}")
+        if self.draft_assist != "none" and self.model_factory is None:
+            raise ValueError(f"draft assist {self.draft_assist!r} needs a draft model")
+        if not 0 <= self.assist_k <= 64:
+            raise ValueError(f"assist_k must be in 0..64, got {self.assist_k}")
+        if self.draft_top_m < 0:
+            raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {self.draft_top_m}")
+        if self.draft_top_m and self.model_factory is None:
+            raise ValueError("draft_top_m needs a draft model")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if (self.cuda_graphs or self.compile) and (self.model_factory is None or self.runner == "dynamic"
+                                                   or self.draft_assist != "none"):
+            raise ValueError(f"{'cuda_graphs' if self.cuda_graphs else 'compile'} needs a draft model on the static runner "
+                             "(runner 'auto' or 'static'), without draft assist")
+        if self.probs_encoding not in ENCODINGS:
+            raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """What happened to a micro-batch's rows since its last step, applied before the next: the
+    last step's verdict (the draft side applies it; the target applied it already) and the rows
+    admitted since ((caller's index, request) pairs). `spec` (resolved: Admission.spec) starts the
+    micro-batch afresh, with no rows; `feature_draft` then says whether the drafter reads the
+    target's features (EAGLE)."""
+
+    mb: int
+    spec: SpeculationConfig | None = None
+    verdict: Verdict | None = None
+    new_rows: tuple[tuple[int, Request], ...] = ()
+    feature_draft: bool = False
+    max_steps: int = 1  # a colocated drafter's steps per call, or a draft actor's plain run at most (TargetActor.step)
+    device_proposal: bool = False  # the draft returns its proposal's device tensors (a GPU-to-GPU channel)
+    verify_s: float = 0.0  # with `verdict`: the target's seconds for that step (costs learned as the job runs)
+    # The steps the micro-batch's last call ran, with its verdict or without (the micro-batch emptied
+    # and starts afresh): a plain run's end (Proposed.steps). 0: none, or unknown after a recovery.
+    last_steps: int = 0
+    # The draft actor lends the target its CPU threads for the call (SpecCoordinator.lend_threads).
+    lend_threads: bool = False
+    # The coordinator's doorbell on the target's node, and this call's ticket: the target (rank 0)
+    # rings it when the call ends, and the coordinator sleeps until then (raysd.actors.turns).
+    caller_doorbell: str | None = None
+    ticket: int = 0
+    # The target actor's doorbell, through a call the draft actor lends its threads to: the draft
+    # rings it (with `ticket`) once its proposal is ready, and the target sleeps until then
+    # (`TargetActor.await_proposal`) rather than spin in the channel read beside the drafting.
+    proposal_doorbell: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and self.verdict is not None:
+            raise ValueError("a fresh micro-batch has no verdict to apply")
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """What a model actor says of itself once its model has loaded (`info()`)."""
+
+    pid: int
+    device: str
+    vocab_size: int
+    max_model_len: int  # the actor's model's context (no limit for a model-free drafter)
+    feature_draft: bool = False  # the draft reads the target's features (EAGLE)
+    supports_trees: bool = False  # can draft or verify trees: n-gram lookup, or a model on the static runner
+    gpu: tuple[str, str] | None = None  # (node id, Ray's GPU id) of the actor's GPU; None on the CPU
+    dtype: str | None = None  # the dtype its model runs in ("auto" resolved); None without a model
+    node: str | None = None  # the Ray node id of its process (None outside Ray)
+    tensor_parallel: TensorParallel = TensorParallel()  # a target rank's place in its group
+    eos_token_ids: tuple[int, ...] = ()  # the target's (generation config, else model config); () for a draft
+    lends_threads: bool = False  # a draft actor that can lend its CPU threads to the target (raysd.actors.turns)
+    doorbell: str | None = None  # a target actor's on the CPU, where a lending draft wakes it (StepCall.proposal_doorbell)
+
+
+def pickled_nbytes(obj) -> int:
+    """Bytes `obj` takes pickled with protocol 5, out-of-band buffers (numpy arrays)
+    counted at their size without copying them."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(head) + sum(b.raw().nbytes for b in buffers)
+
+
+@dataclass
+class TransferStats:
+    """Bytes crossing actor boundaries over a run, as pickled (see pickled_nbytes).
+
+    proposal: draft actor -> target actor (through the object store, never the coordinator).
+    dense_equivalent: what the proposals' draft_probs would have cost dense.
+    draft_args / target_args: coordinator -> actor (row updates and K).
+    results: target actor -> coordinator (ragged tokens and statistics).
+    features: target actor -> draft actor, a feature draft's target features (tensor bytes;
+        through the object store, never the coordinator).
+    """
+
+    steps: int = 0
+    proposal: int = 0
+    dense_equivalent: int = 0
+    draft_args: int = 0
+    target_args: int = 0
+    results: int = 0
+    features: int = 0
+    sparse_steps: int = 0  # steps whose proposal travelled sparse
+
+    @property
+    def total(self) -> int:
+        return self.proposal + self.draft_args + self.target_args + self.results + self.features
+
+    def per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        fields = ("proposal", "dense_equivalent", "draft_args", "target_args", "results", "features", "total")
+        return {name: getattr(self, name) / n for name in fields}

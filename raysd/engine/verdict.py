@@ -1,0 +1,121 @@
+"""What a step plans (`Plan`), decides (`Verdict`) and spends (`StepTimings`): plain records.
+
+A verdict is the one record of a step, read back from the device once and applied by both sides
+(raysd.engine.step); the Ray actors send it on through a job's replica (raysd.actors.coordinator),
+which only reads and forwards it. Nothing here imports torch, so that process imports none: a
+feature draft's `Verdict.features` are tensors, unpickled where they arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from raysd.core.tree_shape import TreeShape, tree_shape
+from raysd.engine.requests import GenerationResult
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step drafts: up to `k` drafts per row (each capped by its room), or with
+    `tree_budget` P > 0 the tree tree_shape(P, K) cut at depth k; k = 0 is plain decoding."""
+
+    k: int
+    tree_budget: int = 0
+
+    def tree(self, depth: int) -> TreeShape | None:
+        """The draft tree both sides grow (the configured depth K), or None for a chain."""
+        return tree_shape(self.tree_budget, depth) if self.tree_budget else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one step decided for every row, in the step's row order: the one record of a step,
+    read back from the device once. Both sides apply it (`commit`); the Ray actors send it on."""
+
+    plan: Plan
+    kept: tuple[tuple[int, ...], ...]  # each row's accepted drafts, then its recovered or bonus token, cut at its stop
+    finish: np.ndarray  # [B] 0: the row runs on, else raysd.engine.batch.LENGTH or STOP
+    offered: np.ndarray  # [B] drafts the row was allowed: min(room, k)
+    drafted: np.ndarray  # [B] drafts (a tree's nodes) the target verified
+    accepted: np.ndarray  # [B] drafts accepted (the accepted depth): both caches keep them
+    tested: np.ndarray  # [B] positions whose rejection test ran
+    overlap: np.ndarray  # [B] float64: sum_x min(target_probs, draft_probs) summed over the tested positions
+    keep: tuple[int, ...] | None  # rows left once finished ones retire (fill_holes order); None: all
+    finished: tuple[tuple[int, GenerationResult], ...]  # (caller's index, result) of the rows that ended
+    # A tree: the nodes each row's accepted path went through (the draft keeps that branch), the
+    # accepted nodes that were not a rank-0 child, and the walk counted by rank over the rows.
+    path: tuple[tuple[int, ...], ...] | None = None
+    branch: np.ndarray | None = None
+    rank_offered: tuple[int, ...] = ()
+    rank_moved: tuple[int, ...] = ()
+    # A feature draft (EAGLE): each row's target features [n, H] of the positions it cached for good
+    # this step (a new row's prompt first); else None.
+    features: tuple[torch.Tensor, ...] | None = None
+    # Rows that asked for them (SamplingParams.logprobs): the target's log-probability of each
+    # emitted token [B, W], and the top tokens' ids and log-probabilities ([B, W, N] each); else None.
+    logprobs: np.ndarray | None = None
+    top_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    steps: int = 1  # the plain steps this verdict stands for (`merge_plain`); 1 for any other
+
+    @property
+    def step_overlap(self) -> float:
+        return float(self.overlap.sum())
+
+    @property
+    def step_tested(self) -> int:
+        return int(self.tested.sum())
+
+
+def merge_plain(verdicts: Sequence[Verdict]) -> Verdict:
+    """One verdict for consecutive plain steps (K = 0) of the same rows, as if one step had emitted
+    them all: each row's tokens in order, the statistics summed, and the last step's finish,
+    retirements and results (a run of plain steps ends at the first that retires a row, so only
+    the last may). What a draft actor applies after a target ran several plain steps in one call
+    (raysd.actors.model_actors.TargetActor)."""
+    assert verdicts, "at least one step"
+    if len(verdicts) == 1:
+        return verdicts[0]
+    *earlier, last = verdicts
+    assert all(v.plan.k == 0 and v.path is None and v.features is None for v in verdicts), "plain steps only"
+    assert all(v.keep is None and not v.finished for v in earlier), "only a run's last step retires rows"
+    assert len({len(v.kept) for v in verdicts}) == 1, "the same rows in every step"
+
+    def cat(arrays):
+        return None if arrays[0] is None else np.concatenate(arrays, axis=1)
+
+    top = None
+    if last.top_logprobs is not None:
+        top = (cat([v.top_logprobs[0] for v in verdicts]), cat([v.top_logprobs[1] for v in verdicts]))
+    return Verdict(
+        plan=last.plan,
+        kept=tuple(tuple(t for row in rows for t in row) for rows in zip(*(v.kept for v in verdicts))),
+        finish=last.finish,
+        offered=sum(v.offered for v in verdicts), drafted=sum(v.drafted for v in verdicts),
+        accepted=sum(v.accepted for v in verdicts), tested=sum(v.tested for v in verdicts),
+        overlap=sum(v.overlap for v in verdicts),
+        keep=last.keep, finished=last.finished,
+        logprobs=cat([v.logprobs for v in verdicts]), top_logprobs=top,
+        steps=sum(v.steps for v in verdicts),
+    )
+
+
+@dataclass
+class StepTimings:
+    """Seconds and counts over the steps a hook has seen (and, filled by the engine that runs
+    them, its admissions and wall time)."""
+
+    draft_s: float = 0.0  # proposing (a cold drafter's deferred prefill excluded)
+    verify_s: float = 0.0  # the target pass, the rejection test, the read-back, the bookkeeping
+    prefill_s: float = 0.0  # prompts: both sides' at admission, a cold drafter's at its first drafting step
+    steps: int = 0
+    drafted_steps: int = 0  # steps with k > 0
+    row_steps: int = 0  # rows decoded, summed over steps: occupancy = row_steps / (steps x batch slots)
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
