@@ -18,7 +18,7 @@ from raysd.engine.target import TargetSide
 from raysd.engine.verdict import StepTimings, Verdict
 from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len, output_vocab_size
-from raysd.models.runner import check_runner_kind
+from raysd.models.names import check_runner_kind
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, Union
 
 from raysd.models.dynamic_runner import DynamicRunner
-from raysd.models.names import RUNNER_KINDS, check_runner_kind  # noqa: F401 - re-exported: where callers look for them
+from raysd.models.names import check_runner_kind
 from raysd.models.static_runner import StaticRunner, supports_static
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
