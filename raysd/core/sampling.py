@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS, SamplingParams  # noqa: F401 - re-exported: where callers look for them
+from raysd.core.params import SamplingParams  # its home is torch-free; callers also import it from here
 
 
 @dataclass(frozen=True)
