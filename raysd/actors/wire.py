@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 from raysd.core.speculation import SpeculationConfig, SuffixConfig
 from raysd.engine.requests import Request
 from raysd.engine.verdict import Verdict
-from raysd.models.names import DRAFT_ASSISTS, TensorParallel, check_runner_kind
+from raysd.models.names import TensorParallel, check_draft_assist, check_runner_kind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,8 +73,7 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
-        if self.draft_assist not in DRAFT_ASSISTS:
-            raise ValueError(f"draft assist must be one of {DRAFT_ASSISTS}, got {self.draft_assist!r}")
+        check_draft_assist(self.draft_assist)
         if self.model_free not in MODEL_FREE_DRAFTERS:
             raise ValueError(f"model_free must be one of {MODEL_FREE_DRAFTERS}, got {self.model_free!r}")
         if self.draft_assist != "none" and self.model_factory is None:

@@ -50,7 +50,6 @@ from raysd.core.sampling import logits_to_probs
 from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.engine.adaptive import KController
 from raysd.engine.drafters import DraftModelDrafter, NgramDrafter, Proposal
-from raysd.models.names import DRAFT_ASSISTS
 from raysd.models.profile import time_forward
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
@@ -86,11 +85,6 @@ class AssistStats:
                 "tokens_per_middle_step": self.tokens_per_middle_step,
                 "lookup_acceptance_rate": self.lookup_acceptance_rate,
                 "mean_inner_k": (sum(self.assist_k_chosen) / len(self.assist_k_chosen)) if self.assist_k_chosen else 0.0}
-
-
-def check_draft_assist(kind: str) -> None:
-    if kind not in DRAFT_ASSISTS:
-        raise ValueError(f"draft assist must be one of {DRAFT_ASSISTS}, got {kind!r}")
 
 
 def profile_assist_costs(draft: PreTrainedModel, assist_k_max: int = 4, batch_sizes: Sequence[int] = (1, 8),

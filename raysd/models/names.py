@@ -66,6 +66,11 @@ def check_runner_kind(kind: str, cuda_graphs: bool = False, compile: bool = Fals
         raise ValueError("cuda_graphs and compile need the static runner (runner='auto' or 'static'), not 'dynamic'")
 
 
+def check_draft_assist(kind: str) -> None:
+    if kind not in DRAFT_ASSISTS:
+        raise ValueError(f"draft assist must be one of {DRAFT_ASSISTS}, got {kind!r}")
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: rank `rank` of `world_size`."""
