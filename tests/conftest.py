@@ -19,6 +19,19 @@ EOS = 2
 # outcome depends on it.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs the `alone` tests under `--dist loadgroup`: a test module is one group, as
+    under loadfile (its tests share its Ray or cluster), unless its tests name a group of their own.
+    The tests that start Rays or clusters of their own mid-test are the group "own-rays": they run one
+    after another, since with two of them at once on 2 cores a raylet missed Ray's fixed 30 s to register."""
+    for item in items:
+        if item.get_closest_marker("alone") is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 # Hypothesis profiles. "ci" is derandomised: the examples are a fixed function of each test, so a
 # CI run cannot pass or fail by chance (and --hypothesis-seed has no effect there). It is chosen
 # whenever the CI environment variable is set to any value (`.ci/run` runs with CI=true) or

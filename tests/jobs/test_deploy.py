@@ -116,6 +116,7 @@ def ray_head(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.alone  # a `ray start` head with its dashboard and job agent, beside no other Ray
+@pytest.mark.xdist_group("own-rays")  # nor beside another test's own Ray or cluster (tests/conftest.py)
 def test_ray_job_submit_end_to_end(tmp_path, model_dirs, ray_head):
     address, env = ray_head
     target, _ = model_dirs

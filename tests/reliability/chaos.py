@@ -93,6 +93,26 @@ def lose_node(cluster, node) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
+def hold_replicas() -> list[dict]:
+    """SIGSTOP the job's replica processes (the coordinators that drive every step): no row
+    finishes while a test sets up a fault, however long a loaded machine takes to add a node. Their
+    model actors wait on their next call, as between two steps. `release_replicas` ends the hold."""
+    held = alive_actors(VICTIMS["replica"])
+    for actor in held:
+        os.kill(actor["Pid"], signal.SIGSTOP)
+    return held
+
+
+def release_replicas(held: list[dict], lost_node_id: str | None = None) -> None:
+    """The held replicas go on (SIGCONT); those on a lost node die with it (SIGKILL: a stopped process
+    would never notice that its raylet is gone)."""
+    for actor in held:
+        try:
+            os.kill(actor["Pid"], signal.SIGKILL if actor["NodeID"] == lost_node_id else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def placement_groups() -> list[dict]:
     """The CREATED placement groups (the replicas' draft/target pairs): bundle index -> node id."""
     import ray

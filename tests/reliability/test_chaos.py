@@ -56,6 +56,7 @@ def test_kill_process_mid_job(fault, job_input, model_dirs, local_ray, tmp_path)
     assert outcome.restarted_pid is not None and outcome.restarted_pid != outcome.killed_pid  # Ray restarted it
 
 
+@pytest.mark.xdist_group("own-rays")  # its `raysd generate` starts a Ray of its own (tests/conftest.py)
 def test_kill_driver_mid_job_then_rerun(tmp_path, job_input, model_dirs):
     """A real crash: `raysd generate` SIGKILLed while it writes (its whole process group: the
     driver, the Ray it started, the actors), then the same command again. The re-run regenerates

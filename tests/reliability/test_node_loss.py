@@ -3,8 +3,10 @@
 raylet and everything on it, as when a machine dies).
 
 - Two replicas, one per node (each node has CPUs for exactly one STRICT_PACK draft/target pair);
-  the worker node is lost once the first part is written. A replacement node joins first, as an
-  autoscaler would bring one: the lost replica's pair needs somewhere to go.
+  the worker node is lost once a few rows are generated. A replacement node joins first, as an
+  autoscaler would bring one: the lost replica's pair needs somewhere to go. While it joins, the
+  replicas are held (SIGSTOP), so that the job cannot finish before the loss, however long a loaded
+  machine takes to start a node.
 - One replica whose draft and target are on different nodes (`--placement-strategy SPREAD`, each
   node has CPUs for one of them); the worker node is lost. The head has a CPU to spare, so the lost
   actor comes back there.
@@ -25,14 +27,14 @@ from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig
 from tests.jobs.conftest import token_prompts
 from tests.jobs.test_generate import reference
-from tests.reliability.chaos import (VICTIMS, JobThread, Outcome, add_worker, alive_actors, compare, lose_node,
-                                     placement_groups, start_cluster, wait_for)
+from tests.reliability.chaos import (VICTIMS, JobThread, Outcome, add_worker, alive_actors, compare, hold_replicas,
+                                     lose_node, placement_groups, release_replicas, start_cluster, wait_for)
 from tests.reliability.conftest import read_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("own-rays")]  # tests/conftest.py
 
-N_ROWS, MAX_NEW = 128, 12  # enough that adding the spare node and the checks before the loss take less than the job
-MID_JOB = 8  # rows generated before the node is lost: both replicas are at work, most rows are not done
+N_ROWS, MAX_NEW = 128, 12
+MID_JOB = 8  # rows generated before the replicas are held and the node is lost: both at work, most rows not done
 ID_STAGE = "MapWorker(MapBatches(AssignIds))"
 REPLICA_HOST = "raysd_test_replica_host"  # a custom node resource: where the replica actors may go
 
@@ -109,10 +111,14 @@ def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, t
         _on_driver_node(head_id)
         replicas = alive_actors(VICTIMS["replica"])
         assert [a["NodeID"] for a in replicas] == [worker.node_id] * 2, replicas
-        spare = add_worker(cluster, num_cpus=2, resources={REPLICA_HOST: 1})  # the replacement machine
-        generated = job.rows_generated()
-        lose_node(cluster, worker)
-        assert job.is_alive() and generated < N_ROWS, "the job finished before the node was lost: raise N_ROWS"
+        held = hold_replicas()
+        try:
+            generated = job.rows_generated()
+            assert job.is_alive() and generated < N_ROWS, "the job finished before its replicas were held"
+            spare = add_worker(cluster, num_cpus=2, resources={REPLICA_HOST: 1})  # the replacement machine
+            lose_node(cluster, worker)
+        finally:
+            release_replicas(held, lost_node_id=None if worker in cluster.worker_nodes else worker.node_id)
         summary = job.result(timeout=400)
         assert summary.rows == N_ROWS and summary.rows_failed == 0
         _exactly_once(cfg.output, expected)
@@ -139,10 +145,14 @@ def test_worker_node_lost_mid_job_draft_and_target_spread(cluster, job_input, mo
         assert pg["strategy"] == "STRICT_SPREAD" and set(pg["nodes"].values()) == {head_id, worker.node_id}, pg
         lost_actor = ("TargetActor", "DraftActor")[[n for _, n in sorted(pg["nodes"].items())].index(worker.node_id)]
         _on_driver_node(head_id)
-        spare = add_worker(cluster, num_cpus=1)  # where the lost actor's bundle goes: not beside the other
-        generated = job.rows_generated()
-        lose_node(cluster, worker)
-        assert job.is_alive() and generated < N_ROWS, "the job finished before the node was lost: raise N_ROWS"
+        held = hold_replicas()
+        try:
+            generated = job.rows_generated()
+            assert job.is_alive() and generated < N_ROWS, "the job finished before its replica was held"
+            spare = add_worker(cluster, num_cpus=1)  # where the lost actor's bundle goes: not beside the other
+            lose_node(cluster, worker)
+        finally:
+            release_replicas(held, lost_node_id=None if worker in cluster.worker_nodes else worker.node_id)
         summary = job.result(timeout=400)
         assert summary.rows == N_ROWS and summary.rows_failed == 0
         _exactly_once(cfg.output, expected)
