@@ -20,7 +20,6 @@ EOS = 2
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """scripts/test.sh runs the `alone` tests under `--dist loadgroup`: a test module is one group, as
