@@ -91,6 +91,22 @@ def _cleanup(cluster, job, *nodes) -> None:
             lose_node(cluster, node)
 
 
+def _lose_worker_held(cluster, job: JobThread, worker, **spare_node) -> tuple[object, int]:
+    """Hold the job's replicas (SIGSTOP), add the replacement node (`spare_node`: add_worker's
+    arguments), lose `worker`, then release the replicas: the job cannot finish before the loss,
+    however long a loaded machine takes to start a node. Returns the replacement node and the rows
+    generated when the replicas were held."""
+    held = hold_replicas()
+    try:
+        generated = job.rows_generated()
+        assert job.is_alive() and generated < N_ROWS, "the job finished before its replicas were held"
+        spare = add_worker(cluster, **spare_node)
+        lose_node(cluster, worker)
+    finally:
+        release_replicas(held, lost_node_id=None if worker in cluster.worker_nodes else worker.node_id)
+    return spare, generated
+
+
 def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, tmp_path, monkeypatch):
     """Both replica actors (Ray Data's, owning the coordinators) live on the worker, pinned there by
     a custom resource, with one draft/target pair on each node. The worker dies: both replica
@@ -111,14 +127,7 @@ def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, t
         _on_driver_node(head_id)
         replicas = alive_actors(VICTIMS["replica"])
         assert [a["NodeID"] for a in replicas] == [worker.node_id] * 2, replicas
-        held = hold_replicas()
-        try:
-            generated = job.rows_generated()
-            assert job.is_alive() and generated < N_ROWS, "the job finished before its replicas were held"
-            spare = add_worker(cluster, num_cpus=2, resources={REPLICA_HOST: 1})  # the replacement machine
-            lose_node(cluster, worker)
-        finally:
-            release_replicas(held, lost_node_id=None if worker in cluster.worker_nodes else worker.node_id)
+        spare, generated = _lose_worker_held(cluster, job, worker, num_cpus=2, resources={REPLICA_HOST: 1})  # the replacement machine
         summary = job.result(timeout=400)
         assert summary.rows == N_ROWS and summary.rows_failed == 0
         _exactly_once(cfg.output, expected)
@@ -145,14 +154,7 @@ def test_worker_node_lost_mid_job_draft_and_target_spread(cluster, job_input, mo
         assert pg["strategy"] == "STRICT_SPREAD" and set(pg["nodes"].values()) == {head_id, worker.node_id}, pg
         lost_actor = ("TargetActor", "DraftActor")[[n for _, n in sorted(pg["nodes"].items())].index(worker.node_id)]
         _on_driver_node(head_id)
-        held = hold_replicas()
-        try:
-            generated = job.rows_generated()
-            assert job.is_alive() and generated < N_ROWS, "the job finished before its replica was held"
-            spare = add_worker(cluster, num_cpus=1)  # where the lost actor's bundle goes: not beside the other
-            lose_node(cluster, worker)
-        finally:
-            release_replicas(held, lost_node_id=None if worker in cluster.worker_nodes else worker.node_id)
+        spare, generated = _lose_worker_held(cluster, job, worker, num_cpus=1)  # the lost actor's bundle goes there, not beside the other
         summary = job.result(timeout=400)
         assert summary.rows == N_ROWS and summary.rows_failed == 0
         _exactly_once(cfg.output, expected)
