@@ -8,6 +8,9 @@ import signal
 import threading
 import time
 
+import dataclasses
+
+import pytest
 import ray
 import torch
 
@@ -43,6 +46,21 @@ def greedy_and_sampled(prompts, max_new_tokens: int = 12) -> tuple[list[Request]
     sampled = [Request(10 + i, p, SamplingParams(temperature=0.9, top_k=20, seed=200 + i, max_new_tokens=max_new_tokens))
                for i, p in enumerate(prompts[half:])]
     return greedy, sampled
+
+
+def assert_same_stats(got, expected, vocab: int = VOCAB) -> None:
+    """Two runs' per-row statistics: every count equal, and `overlap_sum` equal up to float32
+    rounding. The overlap of a tested position is a float32 sum of min(target_probs, draft_probs)
+    over the vocabulary, and a model actor computes with its own thread count (its threads plus
+    those the idle side lends, raysd.actors.model_actors.borrowed_threads), so its GEMMs sum in
+    another order than the test process's: a few float32 ulps per probability (seen: 4e-7 over 19
+    positions, where a wrong token moves a position's overlap by ~0.1). Bound: 4 x vocab x eps per
+    tested position."""
+    assert len(got) == len(expected)
+    eps = torch.finfo(torch.float32).eps
+    for a, b in zip(got, expected):
+        assert dataclasses.replace(a, overlap_sum=0.0) == dataclasses.replace(b, overlap_sum=0.0)
+        assert a.overlap_sum == pytest.approx(b.overlap_sum, rel=0, abs=4 * vocab * eps * max(b.num_tested_positions, 1))
 
 
 @torch.inference_mode()
