@@ -61,6 +61,8 @@ SCENARIOS = {s.name: s for s in (
              {"sides": ["packed", "stock", "compiled"], "dtypes": ["float32"], "tokens": [1, 4], "reps": 15, "baseline": "side"}),
     Scenario("gpu", "gpu", "step costs, AR and speculative tokens/s, cost-model bounds (8B/1B shapes; --quick tiny on CPU)",
              gpu=True),
+    Scenario("busy", "busy", "`raysd generate` (the quick start; a draft-model job) while busy processes hold every "
+                             "core: every row written, no recovery"),
     Scenario("soak", "soak", "many rows through tiny random models via `raysd generate`: memory and throughput over time"),
     Scenario("draft_eval", "draft_eval", "offline acceptance of EAGLE and distilled drafts along held-out continuations"),
 )}

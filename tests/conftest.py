@@ -12,14 +12,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 VOCAB = 96
 EOS = 2
 
-# Every Ray the tests start (here, or in a `raysd generate` subprocess, which inherits it) runs its
-# workers at the tests' own priority rather than Ray's default nice 15, under which the other pytest
-# worker's in-process models (nice 0) starve one test's model actors on 2 cores: a restarted actor
-# then imports torch for minutes, past the coordinator's wait for it. Scheduling only; no test's
-# outcome depends on it.
-os.environ.setdefault("RAY_worker_niceness", "0")
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """scripts/test.sh runs the `alone` tests under `--dist loadgroup`: a test module is one group, as

@@ -40,17 +40,19 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import ray
-from ray.exceptions import RayActorError, RayChannelError
+from ray.exceptions import RayActorError, RayChannelError, RayChannelTimeoutError
 from ray.util.placement_group import remove_placement_group
 
 from raysd.actors.launch import (  # noqa: F401 - ActorResources: re-exported, where callers look for it
     MAX_ACTOR_RESTARTS,
-    PLACEMENT_TIMEOUT_S,
     ActorResources,
     ModelActors,
+    PlacementFailed,
+    cluster_room,
     start_model_actors,
     start_targets,
 )
+from raysd.actors.liveness import GROUP_TIMEOUT_S, PLACEMENT_TIMEOUT_S, actor_state, answer, last_line, wait_until_dead
 from raysd.actors.local import exit_when_orphaned
 from raysd.actors.turns import Doorbell
 from raysd.actors.wire import (
@@ -58,7 +60,9 @@ from raysd.actors.wire import (
     DrafterSpec,
     MicroBatchStateLost,
     ModelFactory,
+    ReplicaGaveUp,
     StepCall,
+    StepTimedOut,
     TensorParallelGroupBroken,
     TransferStats,
     pickled_nbytes,
@@ -82,7 +86,15 @@ class CoordinatorConfig:
     max_actor_restarts: int = MAX_ACTOR_RESTARTS  # Ray restarts a dead actor this many times
     max_recoveries: int = 3  # re-runs of in-flight rows after actor failures, per generate call
     measure_bytes: bool = True
-    placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # give up (with a clear error) if the actors cannot be placed
+    # Give up placing the actors after this long (PlacementFailed, which names the resources asked
+    # and the cluster's): a fixed-size cluster may have no room left for them.
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+    # None: a step is waited for as long as its actors are alive (Ray reports a death); a number: a
+    # step (one call to the actors) that takes longer fails the run with StepTimedOut.
+    step_timeout_s: float | None = None
+    # A tensor-parallel target's group: how long its ranks wait for each other to join, and for a
+    # collective (torch.distributed needs a finite limit; a step's collective waits for the slowest rank).
+    group_timeout_s: float = GROUP_TIMEOUT_S
     runner: str = "auto"  # the target's KV cache (raysd.models.runner); the draft's is DrafterSpec.runner
     # With a model-free drafter (run inside the target actor), one call to the target actor runs up
     # to this many steps, returning after the first that retires a row (TargetActor.step): a
@@ -117,6 +129,10 @@ class CoordinatorConfig:
             raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {self.placement_strategy!r}")
         if self.max_actor_restarts < -1 or self.max_recoveries < 0:
             raise ValueError("max_actor_restarts must be >= -1 and max_recoveries >= 0")
+        for name in ("placement_timeout_s", "step_timeout_s", "group_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (None for no step limit), got {value}")
 
 
 @dataclass
@@ -255,7 +271,7 @@ class SpecCoordinator:
         self._target_name = actors.target_name
         self.targets, self.draft = actors.targets, actors.draft  # rank 0 first: the one named, the one that reports
         self.can_decode = tokenizer_factory is not None
-        self.target_info, self.draft_info = self._infos(timeout=None)  # all load their models first
+        self.target_info, self.draft_info = self._infos()  # all load their models first
         self._doorbell = Doorbell() if Doorbell.available() else None  # see `caller_doorbell`
         self._tickets = 0  # calls made, each one's ticket (StepCall.ticket)
         self._join_group()
@@ -279,32 +295,22 @@ class SpecCoordinator:
     def tensor_parallel(self) -> int:
         return self.config.target_tensor_parallel
 
-    def _join_group(self, timeout_s: float = 300.0) -> None:
+    def _join_group(self) -> None:
         """Set up the ranks' torch.distributed group: rank 0 picks a free port on its node, and
-        every rank joins at once (each join returns when all have)."""
+        every rank joins at once (each join returns when all have, or raises after the config's
+        group_timeout_s; a rank that dies meanwhile fails the wait)."""
         if self.tensor_parallel == 1:
             return
-        address, port = ray.get(self.target.group_address.remote(), timeout=60)
-        ray.get([t.join_group.remote(address, port, timeout_s) for t in self.targets], timeout=timeout_s + 60)
+        address, port = ray.get(self.target.group_address.remote())
+        ray.get([t.join_group.remote(address, port, self.config.group_timeout_s) for t in self.targets])
 
     def _restart_targets(self) -> None:
         """Start every rank of a tensor-parallel target afresh (killed by `_recover`), to join a new
         group on a new port: the old group lost a member, and a rank cannot rejoin it alone."""
-        for t in self.targets:  # rank 0's name is free again once it is dead
-            try:
-                ray.get(t.info.remote(), timeout=30)
-            except (RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.targets = start_targets(self.placement_group, self._target_builds, self._target_name,
-                                             self.config.target_resources)
-                return
-            except ValueError:  # "the name is already taken": the old rank 0 is still being removed
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        for t in self.targets:  # rank 0's name is free again once the GCS records its death
+            wait_until_dead(t)
+        self.targets = start_targets(self.placement_group, self._target_builds, self._target_name,
+                                     self.config.target_resources)
 
     @property
     def device_channel(self) -> bool:
@@ -463,8 +469,10 @@ class SpecCoordinator:
                 # 2. The oldest step ends first (both actors run the graph's executions in order):
                 #    hand back its finished rows, keep its verdict for the draft.
                 ref, mb, nbytes, submitted_at, admitted, ticket = in_flight.popleft()
-                report.rung_calls += pacer.wait(submitted_at, admitted, self.caller_doorbell, ticket)
-                verdict, timings = self._read(ref)
+                limit = self.config.step_timeout_s
+                report.rung_calls += pacer.wait(submitted_at, admitted, self.caller_doorbell, ticket,
+                                                None if limit is None else submitted_at + limit)
+                verdict, timings = self._read(ref, submitted_at)
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 # 3. An actor died (and is restarting): every micro-batch's state on it is
                 # gone. Re-run their rows from the start; finished results stay.
@@ -523,22 +531,39 @@ class SpecCoordinator:
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         return ref, mb, (pickled_nbytes(target_call) if self.config.measure_bytes else 0), time.perf_counter(), admitted, self._tickets
 
-    def _read(self, ref) -> tuple[Verdict, StepTimings]:
+    def _read(self, ref, submitted_at: float) -> tuple[Verdict, StepTimings]:
         """One execution's result: the target's, or rank 0's of a tensor-parallel target. Every
         output is read (a channel left unread fills up): every rank's, all of which ran the same step
         (the others' verdicts are rank 0's), and the draft actor's `rest`. The first failure among
         them is raised."""
         if not isinstance(ref, list):
-            return ref.get()
+            return self._get(ref, submitted_at)
         outputs, error = [], None
         for r in ref:
             try:
-                outputs.append(r.get())
+                outputs.append(self._get(r, submitted_at))
             except (RayActorError, RayChannelError, MicroBatchStateLost, TensorParallelGroupBroken) as exc:
                 error = error or exc
         if error is not None:
             raise error
         return outputs[0]
+
+    def _get(self, ref, submitted_at: float):
+        """One output of a step, waited for as long as its actors live (Ray ends the wait when one
+        dies: the graph's monitor tears the graph down and the read raises), or until the config's
+        step_timeout_s has passed since the step was submitted."""
+        limit = self.config.step_timeout_s
+        if limit is None:
+            return ref.get(timeout=-1)
+        try:
+            out = ref.get(timeout=max(0.0, submitted_at + limit - time.perf_counter()))
+            if time.perf_counter() - submitted_at <= limit:
+                return out
+        except (RayChannelTimeoutError, ray.exceptions.GetTimeoutError):
+            pass
+        self._close_graph()  # its executions in flight will never be read: the next run compiles afresh
+        raise StepTimedOut(f"a step took longer than {limit:g} s (the step timeout, --step-timeout); "
+                           "its actors are alive but did not answer in time")
 
     @property
     def one_node(self) -> bool:
@@ -585,7 +610,9 @@ class SpecCoordinator:
             # Sized for two micro-batches at least: a replica compiles at its start with one, then may
             # switch to two once it knows its step costs (_serve compiles again for more).
             self._graph_capacity = max(self.config.num_micro_batches, 2) + 1
-            self._graph = out.experimental_compile(_max_inflight_executions=self._graph_capacity)
+            # No fixed deadline on sending a call or reading a result: Ray's default (10 s) would take
+            # a slow step (a first step that compiles, a long prefill, a busy machine) for a failure.
+            self._graph = out.experimental_compile(_submit_timeout=-1, _max_inflight_executions=self._graph_capacity)
         return self._graph
 
     def _open_graph(self) -> None:
@@ -645,7 +672,9 @@ class SpecCoordinator:
                 ray.kill(t, no_restart=True)
         self._close_graph()  # its channels went with the actor; a new graph is compiled on the restarted one
         if report.recoveries > self.config.max_recoveries:
-            raise RuntimeError(f"actors failed {report.recoveries} times in one run; giving up")
+            n = report.recoveries
+            raise ReplicaGaveUp(f"{self._failure_line(error)}; {n} failure{'s' if n > 1 else ''} in a row with no step "
+                                "completed in between: the replica gives up") from error
         if restart_ranks:
             self._restart_targets()
         requeue = sorted((item for mb in mbs for item in mb.rows), key=lambda item: item[0])
@@ -658,37 +687,60 @@ class SpecCoordinator:
         if restart_ranks:
             self._join_group()
 
-    def _ranks_alive(self, timeout_s: float = 10.0) -> bool:
-        """Whether every rank of a tensor-parallel target still answers."""
-        try:
-            ray.get([t.info.remote() for t in self.targets], timeout=timeout_s)
-            return True
-        except (RayActorError, ray.exceptions.GetTimeoutError):
-            return False
+    def _ranks_alive(self) -> bool:
+        """Whether every rank of a tensor-parallel target is alive, as Ray records it (a rank is
+        never restarted by Ray: start_targets)."""
+        return not any(actor_state(t).dead for t in self.targets)
 
-    def _infos(self, timeout: float | None) -> tuple[ActorInfo, ActorInfo]:
-        """Both actors' info. A colocated drafter has no actor: its info is the target's, with
-        no context limit of its own."""
-        ranks = [t.info.remote() for t in self.targets]
+    def _role(self, actor_id) -> str:
+        if self.draft is not None and self.draft._actor_id == actor_id:
+            return "draft"
+        for rank, t in enumerate(self.targets):
+            if t._actor_id == actor_id:
+                return "target" if self.tensor_parallel == 1 else f"target (rank {rank})"
+        return "model"
+
+    def _failure_line(self, error: BaseException | None) -> str:
+        """What failed, in one line: which actor died, and Ray's word for why."""
+        if isinstance(error, RayActorError):
+            actor_id = getattr(error, "actor_id", None)
+            role = self._role(ray.ActorID.from_hex(actor_id)) if isinstance(actor_id, str) else "a model"
+            return f"the {role} actor died: {last_line(error)}"
+        if error is None:
+            return "a model actor failed"
+        return f"{type(error).__name__}: {last_line(error)}"
+
+    def _infos(self) -> tuple[ActorInfo, ActorInfo]:
+        """Both actors' info, once each has loaded its model: waited for as long as Ray says the
+        actor is alive or restarting (liveness.answer), however slowly it loads, and while their
+        placement group has its bundles (`_check_placement`). A colocated drafter has no actor:
+        its info is the target's, with no context limit of its own."""
+        unplaced_since: list[float] = []
+        check = functools.partial(self._check_placement, unplaced_since)
+        self.rank_infos = [answer(t.info.remote, t, "target", check) for t in self.targets]
+        target = self.rank_infos[0]
         if self.draft is None:
-            self.rank_infos = ray.get(ranks, timeout=timeout)
-            target = self.rank_infos[0]
             return target, dataclasses.replace(target, max_model_len=2**31 - 1, supports_trees=True)
-        *self.rank_infos, draft = ray.get([*ranks, self.draft.info.remote()], timeout=timeout)
-        return self.rank_infos[0], draft
+        return target, answer(self.draft.info.remote, self.draft, "draft", check)
 
-    def _wait_for_actors(self, timeout_s: float = 120.0) -> None:
-        """Block until the actors answer again (Ray restarts them; calls made to a dying
-        process would fail and burn a recovery each)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.target_info, self.draft_info = self._infos(timeout=30)
-                return
-            except (RayActorError, ray.exceptions.GetTimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+    def _check_placement(self, unplaced_since: list[float]) -> None:
+        """PlacementFailed once the actors' placement group has been without its bundles for the
+        placement timeout: its node was lost, and the cluster has no room to place it again (Ray
+        keeps the group RESCHEDULING, and the actors restarting into it, for ever)."""
+        state = ray.util.placement_group_table(self.placement_group).get("state")
+        if state == "CREATED":
+            unplaced_since.clear()
+            return
+        if not unplaced_since:
+            unplaced_since.append(time.monotonic())
+        if time.monotonic() - unplaced_since[0] > self.config.placement_timeout_s:
+            raise PlacementFailed(f"the model actors' placement group lost its node and could not be placed again within "
+                                  f"{self.config.placement_timeout_s:.0f} s (the placement timeout): {cluster_room()}")
+
+    def _wait_for_actors(self) -> None:
+        """Block until the actors answer again, for as long as Ray restarts them (calls made to a
+        dying process would fail and burn a recovery each); ActorDead once Ray gives one up."""
+        self.target_info, self.draft_info = self._infos()
 
 
 class _ReadPacer:
@@ -729,13 +781,18 @@ class _ReadPacer:
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
         self.admitting_s: float | None = None  # the last call's that admitted rows (target's + draft actor's)
 
-    def wait(self, submitted_at: float, admitted: bool, bell: Doorbell | None, ticket: int) -> bool:
-        """Until the call submitted at `submitted_at` (with `ticket`) ends, or is about to: asleep on
-        `bell` until the target rings it (True), else a `nap` (False)."""
+    def wait(self, submitted_at: float, admitted: bool, bell: Doorbell | None, ticket: int,
+             deadline: float | None = None) -> bool:
+        """Until the call submitted at `submitted_at` (with `ticket`) ends, or is about to, or the
+        step's `deadline` (perf_counter) comes: asleep on `bell` until the target rings it (True),
+        else a `nap` (False)."""
         if bell is None:
             self.nap(submitted_at)
             return False
-        return bell.wait_for(ticket, self.bell_timeout_s(admitted))
+        timeout = self.bell_timeout_s(admitted)
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - time.perf_counter()))
+        return bell.wait_for(ticket, timeout)
 
     def bell_timeout_s(self, admitted: bool) -> float:
         if admitted:
@@ -792,8 +849,8 @@ class _TaskStep:
 class _TaskRef:
     ref: ray.ObjectRef
 
-    def get(self):
-        return ray.get(self.ref)
+    def get(self, timeout: float | None = None):
+        return ray.get(self.ref, timeout=None if timeout == -1 else timeout)
 
 
 @dataclass(frozen=True)

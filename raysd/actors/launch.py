@@ -22,10 +22,15 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.actors.local import exit_when_orphaned
 
-PLACEMENT_TIMEOUT_S = 180.0  # CoordinatorConfig.placement_timeout_s's default
 MAX_ACTOR_RESTARTS = 3  # CoordinatorConfig.max_actor_restarts's default
+
+
+class PlacementFailed(RuntimeError):
+    """A replica's placement group could not be placed within its timeout: the cluster has no room
+    for its model actors now."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class TargetActor:
     def group_address(self):
         return self.actor.group_address()
 
-    def join_group(self, address, port, timeout_s=300.0):
+    def join_group(self, address, port, timeout_s):
         return self.actor.join_group(address, port, timeout_s)
 
     def time_steps(self, batch_sizes, k_max, context, reps):
@@ -152,6 +157,18 @@ class ModelActors:
     target_name: str
 
 
+def cluster_room() -> str:
+    """What the cluster has and has free, in the units a bundle asks for (CPUs, GPUs, custom
+    resources; not Ray's internal per-group and per-node ones)."""
+
+    def plain(resources: dict) -> str:
+        kept = {k: v for k, v in sorted(resources.items())
+                if "_group_" not in k and not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+        return ", ".join(f"{k} {v:g}" for k, v in kept.items()) or "nothing"
+
+    return f"the cluster has {plain(ray.cluster_resources())}, of which {plain(ray.available_resources())} free"
+
+
 def start_model_actors(target_builds: Sequence[Callable[[], object]], draft_build: Callable[[str], object] | None,
                        target_resources: ActorResources, draft_resources: ActorResources, strategy: str,
                        timeout_s: float = PLACEMENT_TIMEOUT_S, max_restarts: int = MAX_ACTOR_RESTARTS) -> ModelActors:
@@ -168,11 +185,8 @@ def start_model_actors(target_builds: Sequence[Callable[[], object]], draft_buil
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        raise RuntimeError(
-            f"could not place the draft and target actors ({bundles}, {strategy}) within "
-            f"{timeout_s:.0f}s; the cluster has {ray.cluster_resources()}. "
-            "On a machine without GPUs use ActorResources(num_gpus=0)."
-        ) from None
+        raise PlacementFailed(f"could not place the model actors ({bundles}, {strategy}) within {timeout_s:.0f} s "
+                              f"(the placement timeout): {cluster_room()}") from None
     # The target is named (uniquely) so that the draft can find it: the draft starts (and loads
     # its model) while the target loads, then asks the target for its vocabulary size, and asks
     # again on every restart. It gets the name, not an ObjectRef or a handle: Ray keeps those in

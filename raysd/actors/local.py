@@ -1,4 +1,4 @@
-"""Start a private Ray on this machine that only this machine can reach (issue 6: safe defaults)."""
+"""Start a private Ray on this machine that only this machine can reach, its workers at normal priority."""
 
 from __future__ import annotations
 
@@ -23,10 +23,23 @@ LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # last 1,000 tasks are all Ray Data's and span thousands of rows, enough to debug with.
 TASK_EVENTS_KEPT_IN_GCS = 1_000
 
+# Ray starts its worker processes (every actor and task, the model actors included) at nice 15 by
+# default, below anything else the machine runs: on a busy machine a model actor then gets a few
+# percent of a core, and a GPU's model actor leaves its GPU idle between the kernels it cannot
+# launch in time. A Ray started for a job runs them at the priority of ordinary processes. On a
+# cluster of one's own, `ray start` takes the same setting (docs/cluster.md).
+WORKER_NICENESS = 0
+
+# Ray gives a new raylet a fixed 30 s to register with the GCS (ray/_private/node.py), which a
+# machine busy with other work can miss; starting again is then all there is to do.
+START_ATTEMPTS = 3
+
 
 def start_local_ray(**init_kwargs) -> None:
     """Start a new private Ray on this machine, reachable from this machine only, dashboard off,
-    its GCS bounded in the task events it keeps (a `_system_config` passed in wins).
+    workers at nice WORKER_NICENESS, its GCS bounded in the task events it keeps (a `_system_config`
+    passed in wins). A raylet that misses Ray's registration deadline is started again, up to
+    START_ATTEMPTS times in all.
 
     Raises LocalRayNotLoopback if Ray still picked a non-loopback node address (a Ray upgrade that
     changed the mode above): the caller asked for a local Ray, not one open to the network.
@@ -34,15 +47,22 @@ def start_local_ray(**init_kwargs) -> None:
     import ray
     from ray._private import ray_constants
 
-    system_config = {"task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT_IN_GCS,
+    system_config = {"task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT_IN_GCS, "worker_niceness": WORKER_NICENESS,
                      **init_kwargs.pop("_system_config", {})}
 
     saved_env, saved_flag = os.environ.get(LOOPBACK_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[LOOPBACK_ONLY_ENV] = "0"  # read at import by every process Ray starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # ...and by this driver, which imported ray already
     try:
-        # address="local": always a new Ray, never a stale `ray start` one recorded in /tmp/ray.
-        ray.init(address="local", include_dashboard=False, _system_config=system_config, **init_kwargs)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                # address="local": always a new Ray, never a stale `ray start` one recorded in /tmp/ray.
+                ray.init(address="local", include_dashboard=False, _system_config=system_config, **init_kwargs)
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
+                if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS:
+                    raise
+                ray.shutdown()
     finally:  # the started processes keep the mode; later ray.init calls in this process do not
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:

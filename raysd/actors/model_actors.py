@@ -193,21 +193,25 @@ class Proposed:
     doorbell: str | None = None
 
 
-def _ask_target_vocab_size(name: str, timeout_s: float = 300.0) -> int:
-    """The named target actor's vocabulary size, waiting while it (re)starts: a draft restarted at
-    the moment its target is restarting too must not fail its constructor (Ray never restarts an
-    actor whose constructor raised)."""
+def _ask_target_vocab_size(name: str) -> int:
+    """The named target actor's vocabulary size, waited for as long as Ray says the target is alive
+    or restarting, however slowly it loads: a draft restarted at the moment its target is
+    restarting too must not fail its constructor (Ray never restarts an actor whose constructor
+    raised)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
 
-    deadline = time.monotonic() + timeout_s
+    from raysd.actors.liveness import TARGET_NAME_WAIT_S, answer
+
+    deadline = time.monotonic() + TARGET_NAME_WAIT_S
     while True:
         try:
-            return ray.get(ray.get_actor(name).get_vocab_size.remote(), timeout=30)
-        except (RayActorError, GetTimeoutError, ValueError):  # ValueError: no actor by that name (yet)
+            target = ray.get_actor(name)
+        except ValueError:  # no live actor by that name
             if time.monotonic() > deadline:
-                raise
+                raise RuntimeError(f"the target actor {name!r} is gone (no live actor by that name)") from None
             time.sleep(0.5)
+            continue
+        return answer(target.get_vocab_size.remote, target, "target")
 
 
 class DraftActor:
@@ -389,9 +393,10 @@ class TargetActor:
 
         return free_address(ray.util.get_node_ip_address())
 
-    def join_group(self, address: str, port: int, timeout_s: float = 300.0) -> None:
+    def join_group(self, address: str, port: int, timeout_s: float) -> None:
         """Join the tensor-parallel group at tcp://address:port; returns once every rank has joined
-        (all ranks are called at once). NCCL between GPUs, gloo on the CPU."""
+        (all ranks are called at once). NCCL between GPUs, gloo on the CPU. `timeout_s` bounds the
+        join and every collective (CoordinatorConfig.group_timeout_s)."""
         tp = self.tensor_parallel
         init_group(tp.rank, tp.world_size, address, port, default_backend(self.device), timeout_s)
 
@@ -433,6 +438,7 @@ class TargetActor:
         """`_step`; on a tensor-parallel rank a failed collective (a peer died) is TensorParallelGroupBroken.
         However the call ends, rank 0 then rings the coordinator's doorbell with its ticket."""
         try:
+            _slow_step_for_tests()
             if self.tensor_parallel.world_size == 1:
                 return self._step(call, proposed)
             try:
@@ -494,6 +500,23 @@ class TargetActor:
             timings = _minus(hook.timings, before)
         timings.wall_s = time.perf_counter() - start
         return verdict, timings
+
+
+# A test hook: "CALLS:SECONDS" makes a target actor's first CALLS step calls each sleep SECONDS
+# before stepping (tests/reliability/test_slow_steps.py: a step slower than any read deadline).
+SLOW_STEPS_ENV = "RAYSD_TEST_SLOW_STEPS"
+_slow_calls_done = 0
+
+
+def _slow_step_for_tests() -> None:
+    global _slow_calls_done
+    value = os.environ.get(SLOW_STEPS_ENV)
+    if not value:
+        return
+    calls, seconds = value.split(":")
+    if _slow_calls_done < int(calls):
+        _slow_calls_done += 1
+        time.sleep(float(seconds))
 
 
 def _minus(a: StepTimings, b: StepTimings) -> StepTimings:

@@ -33,6 +33,16 @@ class MicroBatchStateLost(RuntimeError):
     """The actor has no state for a micro-batch it was asked to step: it was restarted."""
 
 
+class StepTimedOut(RuntimeError):
+    """A step outlasted the step timeout the user set (CoordinatorConfig.step_timeout_s) while its
+    actors were alive: not an actor failure, so not recovered from."""
+
+
+class ReplicaGaveUp(RuntimeError):
+    """A replica's actors failed more times in a row than its recoveries allow; the message names
+    the last failure."""
+
+
 class TensorParallelGroupBroken(RuntimeError):
     """A collective of a tensor-parallel target failed (a peer rank died): the group is gone, and
     every rank must be started afresh in a new one."""

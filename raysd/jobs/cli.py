@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 
+from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.jobs.config import (
     DEFAULT_DRAFT,
     DEFAULT_MAX_NEW_TOKENS,
@@ -111,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--placement-strategy", default="STRICT_PACK", choices=PLACEMENT_STRATEGIES,
                    help="where a replica's draft and target actors go: STRICT_PACK (one node, the default), PACK, "
                         "SPREAD or STRICT_SPREAD (over nodes)")
+    r.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=PLACEMENT_TIMEOUT_S,
+                   metavar="SECONDS", help="a replica whose model actors cannot be placed in this time retires and "
+                   f"its rows go to the others (default: {PLACEMENT_TIMEOUT_S:g})")
+    r.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=None, metavar="SECONDS",
+                   help="fail the job if one call to the model actors takes longer (default: none; a step is waited "
+                        "for as long as its actors are alive)")
     r.add_argument("--address", default=None, help="existing Ray cluster (default: the submitted job's cluster, else a local Ray on localhost)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
@@ -156,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - a failed job is one line; rows written so far are kept
-        kept = f"; Ray's messages: {native_log}" if native_log and os.path.exists(native_log) else ""
-        print(f"raysd generate: failed: {_one_line(exc)} (rows written so far are kept; re-run to resume{kept})",
-              file=sys.stderr)
+        log = _write_trace(exc, native_log)
+        print(f"raysd generate: failed: {_one_line(exc)} (rows written so far are kept; re-run to resume; "
+              f"the full trace and Ray's messages: {log})", file=sys.stderr)
         return 1
     if native_log and os.path.exists(native_log):  # a job that ran: the lines are in Ray's own driver log too
         os.remove(native_log)
@@ -198,9 +205,23 @@ def _native_stderr_to_file(enabled: bool):
             os.remove(path)
 
 
+def _write_trace(exc: BaseException, native_log: str | None) -> str:
+    """The failure's whole trace (every cause, the remote ones included), appended to the file that
+    holds Ray's own messages of this run (a new file when there is none); returns its path."""
+    import traceback
+
+    if native_log is None or not os.path.exists(native_log):
+        fd, native_log = tempfile.mkstemp(prefix="raysd-failure-", suffix=".log")
+        os.close(fd)
+    with open(native_log, "a", encoding="utf-8", errors="backslashreplace") as f:
+        f.write("\nraysd generate failed:\n" + "".join(traceback.format_exception(exc)))
+    return native_log
+
+
 def _one_line(exc: BaseException) -> str:
-    """The innermost cause (Ray Data's UserCodeException wraps the RayTaskError that carries the
-    exception raised in the actor), its type and last line."""
+    """The innermost cause (a RayTaskError carries the exception raised in the actor as `cause`),
+    its type and first line: raysd's own errors say what failed there, where Ray and Ray Data
+    append lines of advice to a message."""
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
@@ -211,4 +232,4 @@ def _one_line(exc: BaseException) -> str:
             break
         exc = cause
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS  # what --logprobs-mode and --top-logprobs take
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
 from raysd.jobs.schema import MAX_NUM_SAMPLES
@@ -98,6 +99,10 @@ class GenerateConfig:
     compile: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
+    # A replica whose model actors cannot be placed within this many seconds retires: its rows go
+    # to the replicas left (docs/reliability.md, "Waits and limits").
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+    step_timeout_s: float | None = None  # a number: a step (one call to the model actors) longer than this fails the job
     rows_per_file: int = 1024  # completed rows buffered per output Parquet file
     address: str | None = None  # an existing Ray cluster; None starts a local one
     overwrite: bool = False
@@ -178,6 +183,9 @@ class GenerateConfig:
         need(self.placement_strategy in PLACEMENT_STRATEGIES,
              f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
+        need(self.placement_timeout_s > 0, f"--placement-timeout must be > 0 seconds, got {self.placement_timeout_s}")
+        need(self.step_timeout_s is None or self.step_timeout_s > 0,
+             f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
 
     def _speculation(self) -> SpeculationConfig:
         """The job's SpeculationConfig; its one-line errors name the flags."""

@@ -24,6 +24,7 @@ from ray.data import ActorPoolStrategy
 from ray.data.datasource import Datasink
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from raysd.actors.launch import PlacementFailed
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
 from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS, row_totals
@@ -35,6 +36,9 @@ ID_ERROR = "__raysd_id_error"  # set by AssignIds on rows whose id cannot be use
 # (the generation stage skips them); null otherwise. Dropped before the output.
 DONE_SAMPLES = "__raysd_done_samples"
 ALL_SAMPLES = None  # `done` value: every sample of the id is in the output (AssignIds)
+# The finish_reason of a row a retired replica hands back (GenerateReplica): never written (PartsSink
+# counts and drops it); the job's next pass generates it on the replicas left (raysd.jobs.runner).
+DEFERRED = "deferred"
 _PROGRESS_REPORT_EVERY_S = 1.0  # a replica's finished samples reach JobStats this often during a block
 # Blocks inside each generation actor at once (threads of the actor, `max_concurrent_calls_per_actor`).
 # They all feed the replica's one RequestStream, so while the last rows of one block finish, rows of
@@ -68,6 +72,7 @@ class JobStats:
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.notes: list[str] = []  # why replicas retired, in the order they did
         # A restarted instance starts from zero; the summary says its counts are partial.
         self.restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
@@ -81,8 +86,13 @@ class JobStats:
             else:
                 self.totals[k] = self.totals.get(k, 0) + v
 
+    def note(self, text: str) -> None:
+        """A line for the summary (e.g. why a replica retired)."""
+        self.notes.append(text)
+
     def get(self) -> dict:
-        return {**self.totals, "stats_restarted": int(self.restarted)} if self.restarted else dict(self.totals)
+        totals = {**self.totals, "notes": list(self.notes)}
+        return {**totals, "stats_restarted": int(self.restarted)} if self.restarted else totals
 
 
 def start_job_stats():
@@ -254,7 +264,8 @@ class AssignIds:
     """
 
     def __init__(self, id_column: str, make_ids: bool, done: Iterable, schema: pa.Schema, stats=None,
-                 job_key: str | None = None, default_samples: int = 1, json_columns: frozenset[str] = frozenset()):
+                 job_key: str | None = None, default_samples: int = 1, json_columns: frozenset[str] = frozenset(),
+                 later_pass: bool = False):
         # Never a second instance in a job: a restarted (or replacement) actor would count positions
         # from 0 again and forget the ids seen, giving rows wrong ids or missing duplicates. Its
         # constructor fails instead, which fails the job; a re-run resumes exactly once. The stage
@@ -268,6 +279,10 @@ class AssignIds:
         self.id_column, self.make_ids, self.schema, self.stats = id_column, make_ids, schema, stats
         self.done = dict(done) if isinstance(done, Mapping) else dict.fromkeys(done, ALL_SAMPLES)
         self.default_samples, self.json_columns = default_samples, json_columns
+        # A later pass of one run (raysd.jobs.runner): every null or duplicate id's error row was
+        # written by the first pass (a retired replica writes them too: they need no model), so they
+        # are dropped here, and the rows read and skipped were counted by the first pass.
+        self.later_pass = later_pass
         self.seen: set = set()
         self.position = 0
 
@@ -302,16 +317,16 @@ class AssignIds:
                 if row_id in self.seen:  # a repeat of an id resumed here: its error row was written once
                     continue
                 skipped += len(done)
+            error = "id is null" if row_id is None else f"duplicate id {row_id!r}" if row_id in self.seen else None
+            if error is not None and self.later_pass:
+                continue
             keep.append(i)
             partial.append(done or None)
-            if row_id is None:
-                errors.append("id is null")
-            elif row_id in self.seen:
-                errors.append(f"duplicate id {row_id!r}")
-            else:
+            errors.append(error)
+            if error is None:
                 self.seen.add(row_id)
-                errors.append(None)
-        _report(self.stats, rows_read=n, rows_skipped=skipped)
+        if not self.later_pass:
+            _report(self.stats, rows_read=n, rows_skipped=skipped)
         if len(keep) < n:
             batch = batch.take(pa.array(keep, pa.int64()))
         batch = batch.append_column(ID_ERROR, pa.array(errors, pa.string()))
@@ -348,6 +363,12 @@ class GenerateReplica:
     the output yet, so its models load while Ray Data starts its other stages and reads), else at
     its first batch with rows to generate, so a resumed job with nothing left to do loads no model.
 
+    A replica whose model actors cannot be placed within the placement timeout (the cluster has no
+    room for them: a fixed-size cluster that lost a node) retires: it says why to JobStats, and
+    hands every row it is given back unwritten (finish_reason DEFERRED, which PartsSink drops), for
+    the job's next pass on the replicas left (raysd.jobs.runner). Rows whose id is unusable need no
+    model: it writes their error rows as any replica would.
+
     Ray Data runs up to CONCURRENT_BLOCKS_PER_REPLICA calls at once on each actor (threads);
     their rows share the replica's micro-batches. A batch of rows in, each row's samples out
     (one output row per sample still to generate; one per row without --num-samples), in order,
@@ -362,6 +383,7 @@ class GenerateReplica:
         self.passthrough = [n for n in schema.names if n != cfg.id_column and n not in GENERATED_NAMES]
         self.stop_strings = bool(cfg.stop) or "stop" in schema.names  # the target actor needs a tokenizer
         self.replica = None
+        self.retired: str | None = None  # why this replica retired (PlacementFailed), or None
         self._reporter: threading.Thread | None = None
         self._replica_lock = threading.Lock()  # concurrent calls: one of them loads the models
         self._start_error: BaseException | None = None
@@ -382,7 +404,7 @@ class GenerateReplica:
 
     def _start(self) -> None:
         try:
-            self._get_replica()
+            self._get_replica()  # a PlacementFailed retires the replica there
         except BaseException as exc:  # noqa: BLE001 - raised again by the first call, as a lazy start would
             self._start_error = exc
 
@@ -391,21 +413,64 @@ class GenerateReplica:
         return decode_json_value(value) if name in self.json_columns else value
 
     def _get_replica(self):
+        """The replica, started on the first call; None once retired."""
         with self._replica_lock:
             if self._start_error is not None:
                 raise self._start_error
-            if self.replica is None:
-                self.replica = self._build_replica()
+            if self.replica is None and self.retired is None:
+                try:
+                    self.replica = self._build_replica()
+                except PlacementFailed as exc:
+                    self._retire(exc)
+                    return None
                 if self.stats is not None:
                     self._reporter = threading.Thread(target=self._report_live, name="raysd-progress", daemon=True)
                     self._reporter.start()
             return self.replica
 
+    def _retire(self, why: PlacementFailed) -> None:
+        """No more generating here (under the replica lock, or before any replica exists): say why,
+        release what the replica holds, hand back every row from now on."""
+        if self.retired is not None:
+            return
+        self.retired = str(why)
+        logger.warning("raysd: replica %s retires: %s", self.tag, why)
+        _report(self.stats, replicas_retired=1)
+        _note(self.stats, f"replica {self.tag} retired: {why}")
+        replica, self.replica = self.replica, None
+        if replica is not None:
+            try:
+                replica.shutdown()
+            except Exception:  # noqa: BLE001 - its actors are lost already; the job's end removes its group
+                pass
+
+    def _generate(self, payload: list[dict]):
+        """(outputs, report) from the replica, or None once it has retired: its actors were lost
+        and cannot be placed again (PlacementFailed from its loop, which every concurrent call sees)."""
+        replica = self._get_replica()
+        if replica is None:
+            return None
+        try:
+            generated, report = replica.generate(payload)
+        except Exception as exc:
+            placement = exc if isinstance(exc, PlacementFailed) else exc.__cause__
+            if not isinstance(placement, PlacementFailed):
+                raise
+            with self._replica_lock:
+                self._retire(placement)
+            return None
+        # This block's finished samples (those not yet taken by _report_live) go with its stage counts.
+        _report(self.stats, **replica.live.take(), **stage_counts(report))
+        return generated
+
     def _report_live(self) -> None:
         """The replica's finished samples, to JobStats every _PROGRESS_REPORT_EVERY_S (a thread)."""
         while True:
             time.sleep(_PROGRESS_REPORT_EVERY_S)
-            counts = self.replica.live.take()
+            replica = self.replica
+            if replica is None:  # retired
+                return
+            counts = replica.live.take()
             if counts["rows_generated"]:
                 _report(self.stats, **counts)
 
@@ -448,13 +513,11 @@ class GenerateReplica:
                             "done_samples": row.get(DONE_SAMPLES),
                             **{c: self._value(row, c) for c in OVERRIDE_COLUMNS if c in row}})
             index.append(i)
-        if payload:
-            replica = self._get_replica()
-            generated, report = replica.generate(payload)
-            for i, outs in zip(index, generated):
-                outputs[i] = outs
-            # This block's finished samples (those not yet taken by _report_live) go with its stage counts.
-            _report(self.stats, **replica.live.take(), **stage_counts(report))
+        generated = self._generate(payload) if payload else []
+        if generated is None:  # retired: the rows go back unwritten, for the replicas left
+            generated = [[deferred_output(cfg, row["id"], self.retired)] for row in payload]
+        for i, outs in zip(index, generated):
+            outputs[i] = outs
         errors = sum(len(outs) for i, outs in enumerate(outputs) if i in bad or rows[i].get(ID_ERROR))
         _report(self.stats, rows_generated=errors)  # the id stage's and unreadable rows' error rows
         records = []
@@ -473,6 +536,23 @@ class GenerateReplica:
                 replica.shutdown()
             except Exception:  # noqa: BLE001 - the actor is going away; its children die with it
                 pass
+
+
+def deferred_output(cfg: GenerateConfig, row_id, why: str) -> dict:
+    """The output columns of a row a retired replica hands back: never written (PartsSink)."""
+    from raysd.jobs.replica import error_output
+
+    return {**error_output(cfg, row_id, why), "finish_reason": DEFERRED}
+
+
+def _note(stats, text: str) -> None:
+    """A line for the job's summary; dropped, as counts are, if JobStats is unreachable."""
+    if stats is None:
+        return
+    try:
+        ray.get(stats.note.remote(text), timeout=_REPORT_TIMEOUT_S)
+    except (RayActorError, GetTimeoutError):
+        pass
 
 
 def stage_counts(report: dict) -> dict:
@@ -558,20 +638,28 @@ class PartsSink(Datasink):
         return "RaysdParts"
 
     def write(self, blocks: Iterable, ctx) -> dict:
+        import pyarrow.compute as pc
+
         tables = [b for b in blocks if b.num_rows]
         if not tables:
-            return row_totals(None)
+            return {**row_totals(None), "deferred": 0}
         table = conform(pa.concat_tables(tables), self.schema)
+        deferred = pc.equal(table.column("finish_reason"), DEFERRED)
+        n_deferred = int(pc.sum(deferred).as_py() or 0)
+        if n_deferred:  # a retired replica's rows: generated by the job's next pass
+            table = table.filter(pc.invert(deferred))
+            if not table.num_rows:
+                return {**row_totals(None), "deferred": n_deferred}
         index = ctx.task_idx if ctx is not None else uuid.uuid4().hex[:8]
         name = f"part-{self.run_id}-{index:06d}.parquet" if isinstance(index, int) else f"part-{self.run_id}-{index}.parquet"
         start = time.perf_counter()
         OutputStore(self.url).write_part(table, name)
-        totals = row_totals(table)
+        totals = {**row_totals(table), "deferred": n_deferred}
         _report(self.stats, rows_written=totals["rows"], write_s=time.perf_counter() - start)
         return totals
 
     def on_write_complete(self, write_result) -> None:
-        totals = row_totals(None)
+        totals = {**row_totals(None), "deferred": 0}
         for part in write_result.write_returns:
             for k in totals:
                 totals[k] += part.get(k, 0)
@@ -635,18 +723,20 @@ def time_reads(ds, stats) -> bool:
 GENERATION_STAGE_OPTIONS: dict = {}
 
 
-def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done, stats=None, job_key: str | None = None):
+def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done, stats=None, job_key: str | None = None,
+                  later_pass: bool = False):
     """read -> ids (+ resume filter) -> generation: the lazy Dataset of output rows. `done`: the
     output's {id: sample indices} (OutputStore.done_samples), or ids done whole. `job_key` names
     the job's records in the GCS (the id stage's claim, the replicas' placement groups); drop them
-    with release_job when the job ends."""
+    with release_job when the job ends. `later_pass`: a pass after the first of one run, for the
+    rows retired replicas handed back (raysd.jobs.runner): the id errors are written already."""
     make_ids = cfg.id_column not in source.schema.names
     ds = source.dataset()
     time_reads(ds, stats)
     ds = ds.map_batches(
         AssignIds,
         fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats,
-                             job_key, cfg.num_samples, source.json_columns),
+                             job_key, cfg.num_samples, source.json_columns, later_pass),
         batch_format="pyarrow",
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),

@@ -253,6 +253,7 @@ def actor_args(cfg: GenerateConfig, stop_strings: bool):
     actor it starts ahead builds itself from them (`job_target_actor`, `job_draft_actor`), as the
     coordinator would have built it. The tokenizer factory: for stop strings (None without)."""
     from raysd.actors import CoordinatorConfig, DrafterSpec
+    from raysd.actors.liveness import GROUP_TIMEOUT_S
     from raysd.models.loading import ModelSpec, draft_kind, load_tokenizer
 
     target_spec = ModelSpec(cfg.target, cfg.target_dtype, trust_remote_code=cfg.trust_remote_code,
@@ -279,6 +280,10 @@ def actor_args(cfg: GenerateConfig, stop_strings: bool):
         draft_resources=draft_res,
         target_resources=target_res,
         placement_strategy=cfg.placement_strategy,
+        placement_timeout_s=cfg.placement_timeout_s,
+        step_timeout_s=cfg.step_timeout_s,
+        # A rank waits in a collective at most a step's time: the step timeout bounds it too when set.
+        group_timeout_s=cfg.step_timeout_s or GROUP_TIMEOUT_S,
         measure_bytes=False,
         target_tensor_parallel=cfg.target_tensor_parallel,
         cuda_graphs=cfg.cuda_graphs,
@@ -379,7 +384,7 @@ class GenerationReplica:
             target_res, draft_res = actor_resources(cfg)
             actors = start_model_actors([functools.partial(job_target_actor, cfg, stop_strings)],
                                         functools.partial(job_draft_actor, cfg) if cfg.draft_is_model else None,
-                                        target_res, draft_res, cfg.placement_strategy)
+                                        target_res, draft_res, cfg.placement_strategy, cfg.placement_timeout_s)
         try:
             self._start(cfg, stop_strings, actors)
         except BaseException:

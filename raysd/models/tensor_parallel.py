@@ -149,7 +149,7 @@ def free_address(host: str | None = None) -> tuple[str, int]:
 
 
 def init_group(rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None,
-               timeout_s: float = 300.0):
+               timeout_s: float = 1800.0):
     """Join (this process's default) torch.distributed group: rank `rank` of `world_size`, meeting at
     tcp://master_addr:master_port (rank 0 listens there). No torchrun and no environment variables:
     raysd picks the address and port itself. `backend`: None picks by the device (`default_backend`

@@ -70,11 +70,20 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def kill_mid_generate(coordinator, reqs, pid: int, after_steps: int = 4, timeout_s: float = 240.0):
+def kill_mid_generate(coordinator, reqs, pid: int, after_steps: int = 4, timeout_s: float = 240.0,
+                      raise_error: bool = False):
     """`coordinator.generate(reqs)` in a thread, process `pid` SIGKILLed once `after_steps` more
-    micro-batch steps have completed; the run's RunOutput (the call must finish within `timeout_s`)."""
+    micro-batch steps have completed; the run's RunOutput (the call must finish within `timeout_s`).
+    `raise_error`: what the run raised is raised here."""
     box = {}
-    runner = threading.Thread(target=lambda: box.setdefault("out", coordinator.generate(reqs)))
+
+    def run():
+        try:
+            box["out"] = coordinator.generate(reqs)
+        except Exception as exc:  # noqa: BLE001 - handed to the test's thread
+            box["error"] = exc
+
+    runner = threading.Thread(target=run)
     start = coordinator.steps_completed
     runner.start()
     deadline = time.monotonic() + 60
@@ -83,4 +92,7 @@ def kill_mid_generate(coordinator, reqs, pid: int, after_steps: int = 4, timeout
     os.kill(pid, signal.SIGKILL)
     runner.join(timeout=timeout_s)
     assert not runner.is_alive(), "generate did not finish after the kill"
+    if "error" in box and raise_error:
+        raise box["error"]
+    assert "error" not in box, box.get("error")
     return box["out"]

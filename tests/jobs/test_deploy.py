@@ -30,7 +30,7 @@ def test_cluster_yaml_validates_against_ray_schema():
     torch_at = next(i for i, c in enumerate(setup) if "install torch" in c)
     raysd_at = next(i for i, c in enumerate(setup) if "/raysd" in c and "install" in c)
     assert torch_at < raysd_at  # torch first, then the package
-    assert "/raysd[s3,gcs]" in setup[raysd_at]  # cloud storage for --input/--output (README, "On a GPU cluster")
+    assert "/raysd[s3,gcs]" in setup[raysd_at]  # cloud storage for --input/--output (docs/cluster.md)
 
 
 def test_cloud_extras_are_declared():
@@ -83,7 +83,8 @@ def ray_head(tmp_path):
     gcs, dashboard, agent = _free_ports(3)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # On SIGTERM the head drains for up to 30 s first (for Serve replicas; none here): 31 s of each run.
-    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    # Its workers at normal priority, as docs/cluster.md says to start a cluster's nodes.
+    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
     cmd = ["ray", "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--num-gpus=0",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
            f"--dashboard-agent-listen-port={agent}", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]

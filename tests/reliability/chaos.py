@@ -77,7 +77,7 @@ def start_cluster(head_cpus: float):
 
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": head_cpus, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
-        "_system_config": NODE_DEATH_CHECKS})
+        "_system_config": {**NODE_DEATH_CHECKS, "worker_niceness": 0}})  # as docs/cluster.md says to
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     return cluster
 

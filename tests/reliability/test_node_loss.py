@@ -7,6 +7,10 @@ raylet and everything on it, as when a machine dies).
   autoscaler would bring one: the lost replica's pair needs somewhere to go. While it joins, the
   replicas are held (SIGSTOP), so that the job cannot finish before the loss, however long a loaded
   machine takes to start a node.
+- Two replicas, one per node, and no room anywhere else: the worker node is lost and nothing
+  replaces it. The lost replica retires once its actors cannot be placed (a short
+  `--placement-timeout` here), its rows go back, and the job finishes them on the replica left, in
+  a second pass; the summary says so.
 - One replica whose draft and target are on different nodes (`--placement-strategy SPREAD`, each
   node has CPUs for one of them); the worker node is lost. The head has a CPU to spare, so the lost
   actor comes back there.
@@ -137,6 +141,34 @@ def test_worker_node_lost_mid_job_two_replicas(cluster, job_input, model_dirs, t
         print(f"lost the worker at {generated} of {N_ROWS} rows generated; {summary.text()}")
     finally:
         _cleanup(cluster, job, worker, spare)
+
+
+def test_worker_node_lost_with_no_room_left_the_job_finishes_on_the_replica_left(cluster, job_input, model_dirs,
+                                                                                  tmp_path):
+    inp, expected = job_input
+    worker = add_worker(cluster, num_cpus=2)  # room for one draft/target pair, as the head has
+    job = None
+    try:
+        cfg = _config(inp, tmp_path / "out", model_dirs, replicas=2, placement_timeout_s=10)
+        job = JobThread(cfg)
+        wait_for(lambda: len(placement_groups()) == 2 and job.rows_generated() >= MID_JOB, job, "both replicas at work")
+        held = hold_replicas()
+        try:
+            generated = job.rows_generated()
+            assert job.is_alive() and generated < N_ROWS, "the job finished before its replicas were held"
+            lose_node(cluster, worker)
+        finally:
+            release_replicas(held, lost_node_id=worker.node_id)
+        summary = job.result(timeout=600)
+        run = summary.latest_run
+        assert summary.rows == N_ROWS and summary.rows_failed == 0, summary.text()
+        _exactly_once(cfg.output, expected)
+        assert (run.replicas_retired, run.passes) == (1, 2), summary.text()
+        assert "could not place" in run.notes[0] or "could not be placed again" in run.notes[0], run.notes
+        assert "replicas retired" in summary.text()
+        print(f"lost the worker at {generated} of {N_ROWS} rows generated; {summary.text()}")
+    finally:
+        _cleanup(cluster, job, worker)
 
 
 def test_worker_node_lost_mid_job_draft_and_target_spread(cluster, job_input, model_dirs, tmp_path):
