@@ -449,6 +449,7 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     clock.mark("check")
     started = time.perf_counter()
 
+    from raysd.jobs.metrics import job_tags
     from raysd.jobs.pipeline import PartsSink, build_dataset, start_job_stats, write_on_driver
 
     if not cfg.quiet:
@@ -462,7 +463,7 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     we_started_ray = _init_ray(cfg, gpus)
     stats = progress = job_key = None
     try:
-        stats = start_job_stats()  # on the driver's node: no worker node's loss takes it (issue 22)
+        stats = start_job_stats(job_tags(cfg))  # on the driver's node: no worker node's loss takes it (issue 22)
         job_key = uuid.uuid4().hex  # names the job's records in the GCS (pipeline.release_job)
         sink = PartsSink(cfg.output, schema, cfg.rows_per_file, local=store.local, stats=stats)
         progress = _Progress(stats, started, cfg.quiet, todo, verbose=cfg.verbose)
@@ -521,11 +522,26 @@ def _release(stats, job_key: str | None) -> None:
 
     from raysd.jobs.pipeline import release_job
 
-    for step in (lambda: stats is not None and ray.kill(stats), lambda: job_key is not None and release_job(job_key)):
+    for step in (lambda: stats is not None and _end_stats(stats), lambda: job_key is not None and release_job(job_key)):
         try:
             step()
         except Exception:  # noqa: BLE001 - e.g. the actor is gone already
             pass
+
+
+def _end_stats(stats) -> None:
+    """End the stats actor as an actor exits normally, so that it exports its last metrics as it
+    goes (ray.kill would drop those recorded since Ray's last report); killed if it cannot."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:  # not retried: the call ends the actor, and answers with its death
+        ray.get(stats.__ray_terminate__.options(max_task_retries=0).remote(), timeout=30)
+    except RayActorError:
+        return
+    except GetTimeoutError:
+        pass
+    ray.kill(stats)
 
 
 def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, clock: WallClock) -> JobSummary:
