@@ -1,8 +1,12 @@
 """raysd's live metrics (raysd.jobs.metrics): the one table follows Prometheus's conventions, the
-docs show it, and the replica records what a step and a row hold."""
+docs show it, the replica records what a step and a row hold, and every query of the Grafana
+dashboard names a metric raysd exports. tests/jobs/test_prometheus.py reads them back from a real
+Prometheus."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -15,6 +19,8 @@ from raysd.jobs.metrics import JOB_COUNTS, METRICS, STAGE_SECONDS, JobCounters, 
 from raysd.jobs.replica import error_output
 
 ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "raysd_dashboard.json"
+EXPORTED = {s for m in METRICS for s in m.series}
 
 
 def test_table_follows_prometheus_conventions():
@@ -127,3 +133,63 @@ def test_a_failing_metric_never_fails_the_job(monkeypatch, caplog):
     m.set_load(1, 2, 0.5)
     JobCounters({}).add({"read_s": 1.0})
     assert sum("a live metric failed" in r.message for r in caplog.records) == 2  # once per recorder
+
+
+# The dashboard: its queries name raysd's metrics only.
+
+PROMQL_WORDS = {"sum", "max", "min", "avg", "rate", "increase", "scalar", "histogram_quantile", "by", "without", "on",
+                "ignoring", "group_left", "and", "or", "unless"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names in a PromQL expression: what is left once strings, label matchers,
+    ranges, grouping clauses, functions and numbers are taken out."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", " ", expr)
+    expr = re.sub(r"\[[^\]]*\]", " ", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
+    unknown = words - PROMQL_WORDS - {w for w in words if w.startswith("ray_")}
+    assert not unknown, f"not a metric nor a known PromQL word: {unknown} in {expr}"
+    return {w for w in words if w.startswith("ray_")}
+
+
+def dashboard_targets(board: dict) -> list[tuple[str, dict]]:
+    return [(p["title"], t) for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def test_dashboard_queries_name_exported_metrics_only():
+    board = json.loads(DASHBOARD.read_text())
+    used = set()
+    for title, target in dashboard_targets(board):
+        names = metric_names(target["expr"])
+        assert names and names <= EXPORTED, (title, names - EXPORTED)
+        used |= names
+    labels_of = {s: m.tag_keys for m in METRICS for s in m.series}
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":  # label_values(metric, label): a label of an exported metric
+            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]["query"]).groups()
+            assert label in labels_of[metric], var
+    assert metric_names('sum by (le) (rate(ray_raysd_step_rows_bucket{le="0.5"}[1m])) / scalar(ray_x_total)') == {
+        "ray_raysd_step_rows_bucket", "ray_x_total"}
+    # Every metric is on the dashboard, bar the ones a panel reads through another series of it.
+    assert {m.name for m in METRICS if not set(m.series) & used} == set()
+
+
+def test_dashboard_has_the_panels_the_issue_lists():
+    board = json.loads(DASHBOARD.read_text())
+    titles = {p["title"] for p in board["panels"] if p["type"] != "row"}
+    assert {"Throughput", "Acceptance rate", "Acceptance per position", "Step time split", "K chosen", "Occupancy", "Queue",
+            "Errors"} <= titles
+    # As Ray's own dashboards: a `datasource` variable, which every panel and query uses.
+    assert board["templating"]["list"][0] == {**board["templating"]["list"][0], "name": "datasource", "type": "datasource"}
+    assert {json.dumps(t["datasource"]) for _, t in dashboard_targets(board)} == {'{"type": "prometheus", "uid": "${datasource}"}'}
+    ids = [p["id"] for p in board["panels"]]
+    assert len(set(ids)) == len(ids) and board["uid"] == "raysd"
+
+
+def test_dashboard_is_the_build_scripts_output():
+    spec = importlib.util.spec_from_file_location("build_dashboard", DASHBOARD.with_name("build_dashboard.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert DASHBOARD.read_text() == build.render(), "run: python deploy/grafana/build_dashboard.py"
