@@ -252,6 +252,9 @@ class SpecCoordinator:
             raise ValueError("tree drafting needs the static runner and a draft-model, EAGLE or n-gram drafter")
         self.config = config
         self.steps_completed = 0  # micro-batch steps over the coordinator's life (for progress watchers)
+        # Called on the loop's thread after each completed call, as on_step(timings, verdict, rows in
+        # the micro-batches): a job's live metrics (raysd.jobs.metrics.ReplicaMetrics.on_step).
+        self.on_step = None
         self._serving = threading.Lock()  # one loop at a time: a stream or a generate call
         self._graph = None  # the step as a compiled graph (`_step_graph`), set up at the start (`_open_graph`)
         self._graph_capacity: float = 0  # its executions in flight at most
@@ -482,6 +485,8 @@ class SpecCoordinator:
             pacer.ready(timings, colocated=self.draft is None, admitted=admitted)
             report.active_rows += timings.steps * sum(len(m.rows) for m in mbs)  # no row leaves before a call's last step
             self._take(mb, verdict, timings, results, report)
+            if self.on_step is not None:
+                self.on_step(timings, verdict, sum(len(m.rows) for m in mbs))
             t = report.transfer
             t.steps += 1
             t.target_args += nbytes
@@ -641,11 +646,9 @@ class SpecCoordinator:
 
     def _take(self, mb: _MicroBatch, verdict: Verdict, timings: StepTimings, results, report: RunReport) -> None:
         """A step's verdict: its finished rows to `results`, the rest kept in slot order; the
-        verdict itself (less the results) waits for the draft actor's next call."""
+        verdict itself (less the results) waits for the draft actor's next call. The rows go last: a
+        stream's caller takes the report's totals as its rows arrive, which then count this call."""
         mb.busy = False
-        for i, finished in verdict.finished:
-            results[i] = finished
-            report.generated_tokens += len(finished.token_ids)
         if verdict.keep is not None:
             mb.rows = [mb.rows[k] for k in verdict.keep]
         if self.draft is not None:
@@ -660,6 +663,9 @@ class SpecCoordinator:
         report.target_busy_s += timings.wall_s - (timings.draft_s if self.draft is None else 0.0)
         report.draft_busy_s += timings.draft_s
         self.steps_completed += timings.steps
+        for i, finished in verdict.finished:
+            report.generated_tokens += len(finished.token_ids)
+            results[i] = finished
 
     def _recover(self, mbs: list[_MicroBatch], waiting: deque, in_flight: deque, report: RunReport,
                  error: BaseException | None = None) -> None:

@@ -131,6 +131,5 @@ class SpecEngine:
                 self.add([waiting.popleft() for _ in range(min(len(waiting), free))])
             for i, result in self.step().finished:
                 results[i] = result
-                self.timings.generated_tokens += len(result.token_ids)
         self.timings.wall_s += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]

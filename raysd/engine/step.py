@@ -66,6 +66,7 @@ class StepHook:
         t, drafted, n = self.timings, verdict.plan.k > 0, verdict.steps  # k = 0 drafts nothing: no draft time
         t.draft_s, t.verify_s, t.prefill_s = t.draft_s + drafted * draft_s, t.verify_s + verify_s, t.prefill_s + prefill_s
         t.steps, t.drafted_steps, t.row_steps = t.steps + n, t.drafted_steps + drafted, t.row_steps + n * len(verdict.kept)
+        t.generated_tokens += sum(map(len, verdict.kept))  # as emitted: a Ray actor's call reports its steps' tokens
 
     def plain_run(self, draft: DraftSide, cap: int) -> PlainRun:
         """After `plan` chose plain decoding (K = 0) for this step: the steps, this one first and at

@@ -116,6 +116,6 @@ class StepTimings:
     steps: int = 0
     drafted_steps: int = 0  # steps with k > 0
     row_steps: int = 0  # rows decoded, summed over steps: occupancy = row_steps / (steps x batch slots)
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # tokens the steps emitted (each row's kept tokens)
     wall_s: float = 0.0
     borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)

@@ -27,6 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from raysd.actors.launch import PlacementFailed
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
+from raysd.jobs.metrics import STAGE_SECONDS, JobCounters, ReplicaMetrics
 from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS, row_totals
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,18 @@ class JobStats:
     report that cannot land is dropped (`_report`).
     """
 
-    def __init__(self):
+    def __init__(self, metric_tags: dict[str, str] | None = None):
         self.totals: dict[str, float] = {}
         self.notes: list[str] = []  # why replicas retired, in the order they did
         # A restarted instance starts from zero; the summary says its counts are partial.
         self.restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        # The same counts as live metrics (raysd.jobs.metrics): the dashboard sums what the summary sums.
+        self.metrics = JobCounters(metric_tags) if metric_tags is not None else None
 
     def add(self, **counts: float) -> None:
         """Sum each count; `first_*_at` and `last_*_at` (wall-clock times) keep the earliest and latest."""
+        if self.metrics is not None:
+            self.metrics.add(counts)
         for k, v in counts.items():
             if k.endswith("_at"):
                 if v is not None:
@@ -95,10 +100,11 @@ class JobStats:
         return {**totals, "stats_restarted": int(self.restarted)} if self.restarted else totals
 
 
-def start_job_stats():
+def start_job_stats(metric_tags: dict[str, str] | None = None):
     """The job's JobStats actor: on the driver's node, restarted by Ray if its process dies, and
-    its calls retried across that restart (so a report waits for it instead of failing)."""
-    return JobStats.options(label_selector=driver_node_selector(), max_restarts=-1, max_task_retries=-1).remote()
+    its calls retried across that restart (so a report waits for it instead of failing).
+    `metric_tags` (raysd.jobs.metrics.job_tags): it exports the counts it adds as live metrics."""
+    return JobStats.options(label_selector=driver_node_selector(), max_restarts=-1, max_task_retries=-1).remote(metric_tags)
 
 
 # How long a stage waits for its report to land before dropping it (the call may still land later).
@@ -389,6 +395,7 @@ class GenerateReplica:
         self._start_error: BaseException | None = None
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         self.actor_id, self.tag = actor_id, actor_id[-8:] if actor_id else "0"
+        self.metrics = ReplicaMetrics(cfg, self.tag)  # the error rows made here; the replica counts its own
         # The job's end removes the placement groups its replica actors created (release_job); a
         # restarted replica removes those of its previous incarnations now (remove_stale_placement_groups).
         if job_key and actor_id:
@@ -505,9 +512,11 @@ class GenerateReplica:
         for i, row in enumerate(rows):
             if i in bad:
                 outputs[i] = [error_output(cfg, row[cfg.id_column], bad[i])]
+                self.metrics.observe_row(outputs[i][0], "input")
                 continue
             if row.get(ID_ERROR):
                 outputs[i] = [error_output(cfg, row[cfg.id_column], row[ID_ERROR])]
+                self.metrics.observe_row(outputs[i][0], "id")
                 continue
             payload.append({"id": row[cfg.id_column], "prompt": self._value(row, cfg.prompt_column),
                             "done_samples": row.get(DONE_SAMPLES),
@@ -568,16 +577,8 @@ def stage_counts(report: dict) -> dict:
     }
 
 
-# Where a job's time goes, from JobStats totals: (summary key, JobStats key), in pipeline order.
-# Each is summed over blocks or rows, over every replica: stages overlap, so they do not add up to
-# the wall time. draft/verify: inside the model actors' step methods.
-STAGE_SECONDS = (("start", "start_s"), ("read", "read_s"), ("tokenize", "tokenize_s"), ("queue_wait", "queue_wait_s"),
-                 ("draft", "draft_busy_s"), ("verify", "target_busy_s"), ("detokenize", "detokenize_s"),
-                 ("write", "write_s"))
-
-
 def time_breakdown(totals: dict) -> dict:
-    """{stage: seconds} (STAGE_SECONDS) plus `engine_loop`: the replicas' step loops at work (idle
+    """{stage: seconds} (STAGE_SECONDS, raysd.jobs.metrics) plus `engine_loop`: the replicas' step loops at work (idle
     excluded), so that engine_loop - verify - draft (a colocated drafter's; a draft actor's overlaps)
     is what the actor round trips and the loop's own work cost; `engine_idle`; `occupancy`: mean rows
     in the micro-batches over the engine steps / the replica's slots; and `drafted_steps`: the

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.jobs.config import GenerateConfig
+from raysd.jobs.metrics import ReplicaMetrics
 from raysd.jobs.schema import num_samples_of
 from raysd.models.names import SUFFIX
 
@@ -159,40 +160,6 @@ def _local_dir_without_tokenizer(name: str) -> bool:
 
     path = os.path.expanduser(name)
     return os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-
-
-class _Metrics:
-    """Live counters through ray.util.metrics (Prometheus, prefix `ray_`)."""
-
-    def __init__(self, cfg: GenerateConfig, replica: int | str):
-        from ray.util.metrics import Counter
-
-        tags = {"replica": str(replica), "target_model": cfg.target, "draft_model": cfg.draft}
-        keys = tuple(tags)
-
-        def counter(name, description, extra=()):
-            c = Counter(name, description, tag_keys=keys + extra)
-            c.set_default_tags(tags)
-            return c
-
-        self.drafted = counter("raysd_draft_tokens", "draft tokens proposed and verified")
-        self.accepted = counter("raysd_accepted_draft_tokens", "draft tokens accepted")
-        self.generated = counter("raysd_generated_tokens", "tokens generated")
-        self.rows_done = counter("raysd_rows_done", "rows finished (stop or length)")
-        self.rows_failed = counter("raysd_rows_failed", "rows that became error rows")
-        self.per_position = counter("raysd_accepted_draft_tokens_per_position", "accepts at each draft position", ("position",))
-
-    def observe(self, out: dict) -> None:
-        if out["finish_reason"] == "error":
-            self.rows_failed.inc()
-            return
-        self.rows_done.inc()
-        for metric, key in ((self.drafted, "num_draft_tokens"), (self.accepted, "num_accepted_draft_tokens"), (self.generated, "num_generated_tokens")):
-            if out[key]:
-                metric.inc(out[key])
-        for position, n in enumerate(out["accepted_per_position"]):
-            if n:
-                self.per_position.inc(n, tags={"position": str(position)})
 
 
 def error_output(cfg: GenerateConfig, row_id: Any, message: str) -> dict:
@@ -391,7 +358,7 @@ class GenerationReplica:
             if actors is not None and getattr(self, "coordinator", None) is None:
                 _release(actors)
             raise
-        self.metrics = _Metrics(cfg, replica)
+        self.metrics = ReplicaMetrics(cfg, replica)
         self.live = _LiveCounts()  # samples finished, for the driver's progress line (taken by the stage)
         # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
         # block take slots as soon as rows of the last one free them. Bounded: by default three
@@ -399,6 +366,7 @@ class GenerationReplica:
         ccfg = self.coordinator.config
         self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
         self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
+        self.coordinator.on_step = self._on_step
         self._reported: dict = {}
         self._sources: dict[str, int] = {}  # a suffix drafter's drafts by source, as last reported
         self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
@@ -406,6 +374,11 @@ class GenerationReplica:
         # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
         # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
         self._tokenizer_lock = threading.Lock()
+
+    def _on_step(self, timings, verdict, in_flight: int) -> None:
+        """After each call of the stream's loop (SpecCoordinator.on_step): the step metrics and the load."""
+        self.metrics.on_step(timings, verdict)
+        self.metrics.set_load(self.stream.pending - in_flight, in_flight, in_flight / self.slots)
 
     def _start(self, cfg: GenerateConfig, stop_strings: bool, actors: ModelActors | None) -> None:
         """The tokenizer and the coordinator (on `actors`, or starting its own), then the step costs."""
@@ -513,6 +486,7 @@ class GenerationReplica:
             params, seed = None, row_seed(cfg.seed, row["id"])
             if error is None:
                 params, seed, error = row_params(row, cfg)
+            kind = "params"  # what an error row is (raysd.jobs.metrics.ERROR_KINDS)
             samples = [j for j in range(n) if j not in set(row.get("done_samples") or ())]
             ids = None
             if error is None and samples:
@@ -520,9 +494,12 @@ class GenerationReplica:
                 with self._tokenizer_lock:
                     ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
                 tokenize_s += time.perf_counter() - t
+                kind = "prompt"
             if error is not None:
                 outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, sample_seed(seed, j), 0.0, j)
                               for j in samples]
+                for out in outputs[i]:
+                    self.metrics.observe_row(out, kind)
                 self.live.add_errors(len(samples))
                 continue
             for j in samples:
@@ -538,9 +515,7 @@ class GenerationReplica:
             outputs[i].append(self._row(done.result.prompt_token_ids, done.result.token_ids, done.result.finish_reason,
                                         done.result.stats, done.result.error, seed, done.latency_s, j, done.result))
             detokenize_s += time.perf_counter() - t
-        for row_outputs in outputs:
-            for out in row_outputs:
-                self.metrics.observe(out)
+            self.metrics.observe_row(outputs[i][-1], "refused")  # an engine's error row: refused at admission
         report = {"tokenize_s": tokenize_s, "detokenize_s": detokenize_s, "submit_s": submit_s, **self._stream_delta()}
         return outputs, report
 

@@ -471,6 +471,7 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     clock.mark("check")
     started = time.perf_counter()
 
+    from raysd.jobs.metrics import job_tags
     from raysd.jobs.pipeline import PartsSink, build_dataset, start_job_stats, write_on_driver
 
     if not cfg.quiet:
@@ -486,7 +487,7 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     written: dict = {}
     passes: list[Pass] = []
     try:
-        stats = start_job_stats()  # on the driver's node: no worker node's loss takes it
+        stats = start_job_stats(job_tags(cfg))  # on the driver's node: no worker node's loss takes it
         progress = _Progress(stats, started, cfg.quiet, todo, verbose=cfg.verbose)
         clock.mark("ray_start")
         replicas = cfg.replicas
@@ -564,15 +565,28 @@ def _release(stats, job_key: str | None) -> None:
     """End of a job on a Ray that outlives it (a cluster, or a Ray this process had started): the
     stats actor, the model actors, their placement groups and the job's records in the GCS. A local
     Ray the job started goes with its shutdown. Best effort: the job's outcome is decided."""
-    import ray
-
     from raysd.jobs.pipeline import release_job
 
-    for step in (lambda: stats is not None and ray.kill(stats), lambda: job_key is not None and release_job(job_key)):
+    for step in (lambda: stats is not None and _end_stats(stats), lambda: job_key is not None and release_job(job_key)):
         try:
             step()
         except Exception:  # noqa: BLE001 - e.g. the actor is gone already
             pass
+
+
+def _end_stats(stats) -> None:
+    """End the stats actor as an actor exits normally, so that it exports its last metrics as it
+    goes (ray.kill would drop those recorded since Ray's last report); killed if it cannot."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:  # not retried: the call ends the actor, and answers with its death
+        ray.get(stats.__ray_terminate__.options(max_task_retries=0).remote(), timeout=30)
+    except RayActorError:
+        return
+    except GetTimeoutError:
+        pass
+    ray.kill(stats)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lookup drafting for the draft model MODEL; repeat for several (default: ngram). "
                         "The no-draft baseline is always run.")
     p.add_argument("--prompts", default=None,
-                   help="JSONL of prompts (prompt_token_ids, prompt or turns; task or category); default: Spec-Bench "
-                        "question.jsonl from $RAYSD_SPEC_BENCH or ../shared/data/spec_bench")
+                   help="JSONL of prompts (prompt_token_ids, prompt or turns; task or category); default: Spec-Bench's "
+                        "question.jsonl from $RAYSD_SPEC_BENCH, or in a checkout ../shared/data/spec_bench")
     p.add_argument("--prompts-per-task", type=int, default=4)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--batch-sizes", type=_ints, default=(1, 4, 16, 64))
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from raysd.engine.drafters import DraftModelDrafter, NgramDrafter
-    from raysd.study.prompts import default_prompts_path, load_prompts
+    from raysd.study.prompts import SPEC_BENCH_ENV, default_prompts_path, load_prompts
     from raysd.study.sweep import BASELINE, StudyConfig, run_study
 
     try:
@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
                           args.profile_context, args.profile_reps, args.acceptance)
     except ValueError as exc:
         print(f"raysd study: {exc}", file=sys.stderr)
+        return 2
+    # Before any model loads: an installed raysd has no default prompt file (it lives beside a checkout).
+    prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
+    if not prompts_path.is_file():
+        print(f"raysd study: no prompt file {prompts_path}: pass --prompts FILE.jsonl (or set ${SPEC_BENCH_ENV} to "
+              "Spec-Bench's question.jsonl)", file=sys.stderr)
         return 2
     start = time.perf_counter()
     target = load_model(ModelSpec(args.target, args.dtype, args.device))
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             model = load_model(ModelSpec(name, args.dtype, args.device))
             drafters[name] = lambda model=model, name=name: DraftModelDrafter(model, vocab, name=name)
     try:
-        prompts = load_prompts(args.prompts or default_prompts_path(), args.prompts_per_task,
+        prompts = load_prompts(prompts_path, args.prompts_per_task,
                                load_tokenizer(args.target), args.max_prompt_tokens)
     except (OSError, ValueError) as exc:
         print(f"raysd study: {exc}", file=sys.stderr)

@@ -27,7 +27,8 @@ class StudyPrompt:
 
 
 def default_prompts_path() -> Path:
-    """$RAYSD_SPEC_BENCH, else the shared Spec-Bench file next to the repository."""
+    """$RAYSD_SPEC_BENCH, else the shared Spec-Bench file next to the repository (a checkout's: an
+    installed package has none, and `raysd study` then asks for --prompts)."""
     if os.environ.get(SPEC_BENCH_ENV):
         return Path(os.environ[SPEC_BENCH_ENV])
     return Path(raysd.__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
