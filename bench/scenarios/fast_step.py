@@ -3,8 +3,12 @@
 On a GPU an 8B target's decode step takes ~5-10 ms; the embedded SmolLM2 takes 60-300 ms here,
 which hides what the actors and Ray Data cost. This scenario builds (once per run, in a
 temporary directory) a random Llama target of hidden 256, 4 layers, vocabulary 8192, float32,
-whose step costs a few milliseconds on this CPU, and a 1-layer draft of the same shape;
-token-id prompts of 16-64 random tokens; greedy, no EOS (every row makes --max-new-tokens).
+whose step costs a few milliseconds on this CPU, and drafts of the same shape: a random 1-layer
+draft (`draft:K`, almost never accepted), the target's first half (`half:K`: its first layers with
+its embedding and head, accepted often) and the target itself (`self:K`: every draft accepted);
+token-id prompts of 16-64 random tokens; greedy, no EOS (every row makes --max-new-tokens). The
+actors and pipeline sides run each replica shape of --shapes (colocated: the draft model in the
+target's actor; split: an actor each).
 
     engine     SpecEngine.generate over every prompt (max_batch_size = B), models loaded first (untimed
                for tokens/s; `with_load_s` includes them)
@@ -23,7 +27,7 @@ engine side, included on the others, as a user pays it), and:
                           block, last write, shutdown
 
     python -m bench run fast_step                                  # 256 prompts x 128 tokens, B = 8 and 32
-    python -m bench run fast_step --drafters none,draft:4,draft:auto --batch-sizes 8
+    python -m bench run fast_step --drafters none,half:4,self:4 --shapes colocated,split --batch-sizes 8
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from bench.harness import Outcome, Variant, run_variants
 from bench.measure import Counts, figures
 from bench.workload import int_list, str_list
 
-QUICK = {"prompts": 8, "max_new_tokens": 8, "batch_sizes": [4], "repeats": 1, "drafters": ["none", "draft:4"]}
+QUICK = {"prompts": 8, "max_new_tokens": 8, "batch_sizes": [4], "repeats": 1, "drafters": ["none", "half:4"],
+         "shapes": ["colocated"]}
 SIDES = ("engine", "actors", "pipeline")
 SHAPE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 2048}
@@ -54,7 +59,10 @@ def add_arguments(p) -> None:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--batch-sizes", type=int_list, default=[8, 32])
     g.add_argument("--drafters", type=str_list, default=["none", "draft:4"],
-                   help="none, draft:K (the 1-layer draft, K a number or auto), ngram:K, suffix:K")
+                   help="none, draft:K (the random 1-layer draft, K a number or auto), half:K (the target's first "
+                        "half), self:K (the target itself), ngram:K, suffix:K")
+    g.add_argument("--shapes", type=str_list, default=["colocated"],
+                   help="the replica shapes of the actors and pipeline sides: colocated, split")
     g.add_argument("--sides", type=str_list, default=list(SIDES), help=f"any of {', '.join(SIDES)}")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: a 1B-shaped bf16 target on the GPU, the job's actors sharing it (0.5 GPU each)")
@@ -65,7 +73,8 @@ def add_arguments(p) -> None:
 
 def build_models(root: str, device: str = "cpu") -> tuple[str, str]:
     """The target and a 1-layer draft, random, saved as safetensors under `root`: on the CPU 4 layers of
-    SHAPE in float32, on a GPU GPU_SHAPE's 16 in bfloat16 (built on the device: faster)."""
+    SHAPE in float32, on a GPU GPU_SHAPE's 16 in bfloat16 (built on the device: faster); and beside
+    them `half`, the target's first half of layers (its embedding and head kept)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,23 +94,31 @@ def build_models(root: str, device: str = "cpu") -> tuple[str, str]:
             torch.set_default_dtype(old)
         model.save_pretrained(path)
         paths.append(path)
+        if name == "target":  # its first half: the same embedding, head and first layers
+            model.model.layers = model.model.layers[: n // 2]
+            model.config.num_hidden_layers = n // 2
+            model.save_pretrained(os.path.join(root, "half"))
     return paths[0], paths[1]
 
 
-def parse_drafter(text: str, draft_dir: str) -> tuple[str, str, int | str]:
-    """(label, --draft value, K): "none", "draft:4" (the 1-layer draft), "ngram:auto", "suffix:4"."""
+def parse_drafter(text: str, draft_dir: str, target_dir: str) -> tuple[str, str, int | str]:
+    """(label, --draft value, K): "none", "draft:4" (the random 1-layer draft), "half:4" (the target's
+    first half), "self:4" (the target), "ngram:auto", "suffix:4"."""
     name, _, k = text.partition(":")
     if name == "none":
         return "none", "none", 0
-    return f"{name} K={k or 4}", draft_dir if name == "draft" else name, k if k == "auto" else int(k or 4)
+    dirs = {"draft": draft_dir, "half": os.path.join(os.path.dirname(target_dir), "half"), "self": target_dir}
+    return f"{name} K={k or 4}", dirs.get(name, name), k if k == "auto" else int(k or 4)
 
 
-def job_config(target: str, draft: str, k, batch: int, max_new: int, device: str = "cpu", cuda_graphs: bool = False, **paths):
+def job_config(target: str, draft: str, k, batch: int, max_new: int, device: str = "cpu", cuda_graphs: bool = False,
+               shape: str = "auto", **paths):
     from raysd.jobs.config import GenerateConfig
 
     cfg = GenerateConfig(input=paths.get("input", "-"), output=paths.get("output", "-"), target=target, draft=draft,
                          num_speculative_tokens=None if draft == "none" else k, max_new_tokens=max_new, batch_size=batch,
-                         quiet=True, overwrite=True, num_gpus_per_actor=0.5 if device == "cuda" else 0.0, cuda_graphs=cuda_graphs)
+                         quiet=True, overwrite=True, num_gpus_per_actor=0.5 if device == "cuda" else 0.0, cuda_graphs=cuda_graphs,
+                         replica_shape=shape)
     return cfg.resolve_actor_cpus(os.cpu_count())  # as a job resolves --num-cpus-per-actor auto on its own Ray
 
 
@@ -143,13 +160,13 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
                    _rows={str(r.request_id): list(r.token_ids) for r in results})
 
 
-def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
+def actors_run(target_dir, draft, k, batch, prompts, a, shape="auto") -> dict:
     import ray
 
     from raysd.actors.local import start_local_ray
     from raysd.jobs.replica import GenerationReplica
 
-    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs)
+    cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs, shape)
     gpus = {"num_gpus": 1} if a.device == "cuda" else {}
     start_local_ray(num_cpus=(os.cpu_count() or 1) + 1, log_to_driver=False, configure_logging=False, **gpus)  # untimed
     try:
@@ -160,7 +177,7 @@ def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
         try:
             ray.get(replica.__ray_ready__.remote())
             built = time.perf_counter()
-            per_prompt, report = ray.get(replica.generate.remote([{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]))
+            per_prompt, stats, _ = ray.get(replica.generate.remote([{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]))
             end = time.perf_counter()
             rows = [r for [r] in per_prompt]  # one sample per prompt
         finally:
@@ -168,17 +185,18 @@ def actors_run(target_dir, draft, k, batch, prompts, a) -> dict:
     finally:
         ray.shutdown()
     return figures(Counts.of_rows(rows), end - start, timed="the replica's start (actors, models) + its generate",
-                   generate_s=end - built, start_s=built - start, steps=report["steps"],
+                   generate_s=end - built, start_s=built - start, steps=stats.steps,
                    _rows={str(i): list(r["generated_token_ids"]) for i, r in enumerate(rows)})
 
 
-def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a) -> dict:
+def pipeline_run(target_dir, draft, k, batch, prompt_file, workdir, a, shape="auto") -> dict:
     import pyarrow.parquet as pq
 
     from raysd.jobs.runner import generate
 
     out = tempfile.mkdtemp(dir=workdir)
-    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs, input=prompt_file, output=out)).latest_run
+    run = generate(job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs, shape, input=prompt_file,
+                              output=out)).latest_run
     rows = pq.read_table(out).to_pylist()
     wall = run.time_breakdown["wall"]
     return figures(Counts.of_rows(rows), run.wall_s, timed="raysd generate: the run's wall", generate_s=wall.get("generating"),
@@ -202,15 +220,19 @@ def run(a, log=print) -> Outcome:
     variants = []  # the actors and pipeline sides each start (and stop) their own local Ray, as a job does
     for B in a.batch_sizes:
         for text in a.drafters:
-            label, draft, k = parse_drafter(text, draft_dir)
+            label, draft, k = parse_drafter(text, draft_dir, target_dir)
             engine_name = f"engine {label}, B={B}"
             settings = {"drafter": text, "batch": B}
-            make = {"engine": functools.partial(engine_run, target_dir, draft, k, B, prompts, a),
-                    "actors": functools.partial(actors_run, target_dir, draft, k, B, prompts, a),
-                    "pipeline": functools.partial(pipeline_run, target_dir, draft, k, B, prompt_file, root, a)}
-            for side in a.sides:
-                base = engine_name if side != "engine" and "engine" in a.sides else None
-                variants.append(Variant(f"{side} {label}, B={B}", {**settings, "side": side}, make[side], base))
+            if "engine" in a.sides:
+                variants.append(Variant(engine_name, {**settings, "side": "engine"},
+                                        functools.partial(engine_run, target_dir, draft, k, B, prompts, a)))
+            base = engine_name if "engine" in a.sides else None
+            for shape in a.shapes if draft != "none" else a.shapes[:1]:  # plain decoding has one shape
+                make = {"actors": functools.partial(actors_run, target_dir, draft, k, B, prompts, a, shape),
+                        "pipeline": functools.partial(pipeline_run, target_dir, draft, k, B, prompt_file, root, a, shape)}
+                for side in (s for s in a.sides if s != "engine"):
+                    variants.append(Variant(f"{side} {shape} {label}, B={B}", {**settings, "side": side, "shape": shape},
+                                            make[side], base))
     try:
         summaries, runs = run_variants(variants, a.repeats, log=log)
     finally:

@@ -9,8 +9,9 @@ then B requests of P prompt tokens and N new tokens (greedy, EOS ignored), as va
     AR, B=b            SpecEngine + NoDrafter: the target's plain decoding (the baseline)
     raysd a=R, B=b     SpecEngine + DraftModelDrafter, K drafts, acceptance `synthetic:R` (each draft
                        accepted with probability R whatever the models say), or `real` (the exact test)
-    ray mbM a=R, B=b   (--ray) the Ray coordinator, draft and target actors sharing the GPU
-                       (num_gpus 0.5 each), M micro-batches of ceil(B / M) rows
+    ray S mbM a=R, B=b (--ray) the Ray coordinator on the GPU, each model's share num_gpus 0.5, in
+                       replica shape S (--shapes: colocated, both models in one actor; split, an
+                       actor each), M micro-batches of ceil(B / M) rows (colocated: 1)
 Each variant keeps one engine across its runs (its CUDA graphs captured in the warm-up are replayed
 after), as a job's replica does. Each timed run generates twice, N and 1 new tokens: tokens/s is bench.measure's (the N-token call,
 prefill included); `decode_tokens_per_s` = (tokens(N) - tokens(1)) / (wall(N) - wall(1)), prefill
@@ -76,7 +77,8 @@ def add_arguments(p) -> None:
                    help="the graphed variants' forwards through torch.compile (EngineConfig/DraftModelDrafter compile)")
     g.add_argument("--steps-only", action="store_true", help="the ceilings and the runners' step costs only: no generation")
     g.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
-    g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
+    g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2], help="a split replica's (a colocated one runs 1)")
+    g.add_argument("--shapes", nargs="+", default=["colocated", "split"], choices=["colocated", "split"])
     g.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="both" if CUDA else "off",
                    help="the engine's forwards as CUDA graphs (EngineConfig/DraftModelDrafter cuda_graphs): both = each "
                         "variant eager and graphed, the graphed AR's baseline the eager AR")
@@ -167,26 +169,28 @@ def ray_variants(a, target_factory, draft_factory, V, prompts, baselines: dict, 
     res = ActorResources(num_cpus=1, num_gpus=0.5 if CUDA else 0.0)
     variants, runs = [], {}
     try:
-        for M in a.micro_batches:
-            config = CoordinatorConfig(speculation(a.k, "real"), micro_batch_size=1, num_micro_batches=M,
-                                       draft_resources=res, target_resources=res, measure_bytes=False)
-            with SpecCoordinator(target_factory, DrafterSpec(draft_factory), config) as c:
-                mine = []
-                for B in a.batches:
-                    for rate in a.rates:
-                        def generate(reqs, B=B, rate=rate):
-                            c.config = dataclasses.replace(config, speculation=speculation(a.k, rate), micro_batch_size=math.ceil(B / M))
-                            start = time.perf_counter()
-                            out = c.generate(reqs)
-                            return figures(Counts.of_results(out.results), time.perf_counter() - start, timed="SpecCoordinator.generate",
-                                           overlap_efficiency=out.report.overlap_efficiency)
+        for shape in a.shapes:
+            for M in (a.micro_batches if shape == "split" else [1]):
+                config = CoordinatorConfig(speculation(a.k, "real"), micro_batch_size=1, num_micro_batches=M,
+                                           draft_resources=res, target_resources=res, measure_bytes=False)
+                with SpecCoordinator(target_factory, DrafterSpec(draft_factory, shape=shape), config) as c:
+                    mine = []
+                    for B in a.batches:
+                        for rate in a.rates:
+                            def generate(reqs, B=B, rate=rate):
+                                c.config = dataclasses.replace(config, speculation=speculation(a.k, rate), micro_batch_size=math.ceil(B / M))
+                                start = time.perf_counter()
+                                out = c.generate(reqs)
+                                return figures(Counts.of_results(out.results), time.perf_counter() - start, timed="SpecCoordinator.generate",
+                                               overlap_efficiency=out.stats.overlap_efficiency)
 
-                        make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
-                        mine.append(Variant(f"ray mb{M} a={rate}, B={B}", {"side": "ray", "micro_batches": M, "batch": B, "rate": rate},
-                                            functools.partial(decode_run, generate, make), baselines[B],
-                                            functools.partial(generate, requests(B, a.prompt_len, 4, V, prompts))))
-                _, r = run_variants(mine, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
-                variants, runs = variants + mine, {**runs, **r}
+                            make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
+                            mine.append(Variant(f"ray {shape} mb{M} a={rate}, B={B}",
+                                                {"side": "ray", "shape": shape, "micro_batches": M, "batch": B, "rate": rate},
+                                                functools.partial(decode_run, generate, make), baselines[B],
+                                                functools.partial(generate, requests(B, a.prompt_len, 4, V, prompts))))
+                    _, r = run_variants(mine, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
+                    variants, runs = variants + mine, {**runs, **r}
     finally:
         ray.shutdown()
     return variants, runs

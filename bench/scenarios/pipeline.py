@@ -3,15 +3,17 @@ prompts, batch size and drafter, and optionally the model actors alone.
 
 Every side starts from models on disk, so each timed run includes its model loading:
     engine     load the target (and draft), SpecEngine.generate over every prompt with
-               max_batch_size = B; `auto` K as a replica runs it (step costs profiled once per
-               machine and cached, raysd.jobs.profiles; the first run pays the profile). Torch gets
-               the threads the pipeline's target actor would get (`--num-cpus-per-actor auto`).
+               max_batch_size = B; `auto` K as a replica runs it (step costs learned from its own
+               steps). Torch gets the threads the pipeline's target actor would get
+               (`--num-cpus-per-actor auto`).
     actors     a SpecCoordinator built as a job's replica builds it (same actors and CPUs), its
-               `generate` over every prompt, with --micro-batches M (1: draft then verify; 2: one
-               micro-batch drafts while the other verifies); timed from its construction. Fixed K only.
+               `generate` over every prompt, in each replica shape of --shapes, with --micro-batches M
+               for the split shape (1: draft then verify; 2: one micro-batch drafts while the other
+               verifies); timed from its construction. Fixed K only.
     pipeline   raysd.jobs.runner.generate on a JSON Lines file of the prompts' token ids (so every
-               side decodes the same ids), `--batch-size B`, a fresh output; its summary's wall
-               (reading, Ray Data's and the actors' start, loading, generation, writing).
+               side decodes the same ids), `--batch-size B`, a fresh output, in each replica shape of
+               --shapes; its summary's wall (reading, Ray Data's and the actors' start, loading,
+               generation, writing).
 Rows end at EOS on every side (a job has no flag to ignore it). The local Ray is started once before the first run; its start-up is recorded apart (extra.ray_start_s).
 Ratios: each pipeline and actors variant against the engine variant of its drafter (when the
 engine side runs), each engine drafter against the engine's `none`. Checked: greedy rows equal
@@ -48,7 +50,8 @@ def add_arguments(p) -> None:
     g.add_argument("--drafters", type=str_list, default=["none", "ngram:auto"],
                    help="DRAFTER[:K]: none, ngram, draft, eagle or a model; K a number or auto (default 4)")
     g.add_argument("--sides", type=str_list, default=["engine", "pipeline"], help=f"any of {', '.join(SIDES)}")
-    g.add_argument("--micro-batches", type=int_list, default=[1], help="the actors side's micro-batch counts")
+    g.add_argument("--micro-batches", type=int_list, default=[1], help="the actors side's micro-batch counts (split shape)")
+    g.add_argument("--shapes", type=str_list, default=["colocated"], help="replica shapes: colocated, split")
 
 
 def parse_drafter(text: str) -> tuple[str, int | str]:
@@ -58,12 +61,12 @@ def parse_drafter(text: str) -> tuple[str, int | str]:
     return (name, 0) if name == "none" else (name, k if k == "auto" else int(k or 4))
 
 
-def job_config(drafter: str, k, batch: int, max_new: int, **paths):
+def job_config(drafter: str, k, batch: int, max_new: int, shape: str = "auto", **paths):
     from raysd.jobs.config import GenerateConfig
 
     cfg = GenerateConfig(input=paths.get("input", "-"), output=paths.get("output", "-"), draft=drafter,
                          num_speculative_tokens=k if drafter != "none" else None, max_new_tokens=max_new,
-                         batch_size=batch, quiet=True, overwrite=True)
+                         batch_size=batch, quiet=True, overwrite=True, replica_shape=shape)
     return cfg.resolve_actor_cpus(os.cpu_count())  # as the runner resolves --num-cpus-per-actor auto on its own Ray
 
 
@@ -76,19 +79,14 @@ def engine_run(prompts, drafter, k, batch, a) -> dict:
     from raysd.engine.engine import EngineConfig, SpecEngine
     from raysd.engine.requests import Request
     from raysd.jobs.config import AUTO_MAX_K
-    from raysd.jobs.profiles import cached_step_costs
     from raysd.models.loading import ModelSpec, eos_token_ids, load_model
-    from raysd.models.profile import profile_step_costs
 
     torch.set_num_threads(int(job_config(drafter, k, batch, a.max_new_tokens).actor_cpus[0]))
     start = time.perf_counter()
     models = Models(target=load_model(ModelSpec()), with_tokenizer=False)
     adaptive, K = None, k
-    if k == "auto":
-        K, sizes = AUTO_MAX_K, sorted({1, batch})
-        key = {"side": "bench engine", "draft": drafter, "k_max": K, "batch_sizes": sizes, "context": 64, "reps": 2}
-        costs, _ = cached_step_costs(key, lambda: profile_step_costs(models.target, models.timed_draft(drafter), K, sizes, 64, 2))
-        adaptive = AdaptiveConfig(costs)
+    if k == "auto":  # as a job's replica runs it: the step costs learned from its own steps
+        K, adaptive = AUTO_MAX_K, AdaptiveConfig()
     spec = SpeculationConfig(K, adaptive=adaptive, eos_token_ids=eos_token_ids(models.target))
     engine = SpecEngine(models.target, models.drafter(drafter), EngineConfig(spec, max_batch_size=batch))
     loaded = time.perf_counter()
@@ -102,7 +100,7 @@ def engine_run(prompts, drafter, k, batch, a) -> dict:
                    _rows={str(r.request_id): list(r.token_ids) for r in results})
 
 
-def actors_run(prompts, drafter, k, batch, micro, a) -> dict:
+def actors_run(prompts, drafter, k, batch, micro, a, shape="colocated") -> dict:
     from raysd.actors import ActorResources, CoordinatorConfig, DrafterSpec, SpecCoordinator
     from raysd.core.sampling import SamplingParams
     from raysd.core.speculation import SpeculationConfig
@@ -116,26 +114,26 @@ def actors_run(prompts, drafter, k, batch, micro, a) -> dict:
     cfg = CoordinatorConfig(SpeculationConfig(k, eos_token_ids=eos), micro_batch_size=-(-batch // micro),
                             num_micro_batches=micro, target_resources=ActorResources(num_cpus=tc, num_gpus=0),
                             draft_resources=ActorResources(num_cpus=dc, num_gpus=0), measure_bytes=False)
-    drafter_spec = DrafterSpec(functools.partial(load_model, ModelSpec(drafter)) if model else None)
+    drafter_spec = DrafterSpec(functools.partial(load_model, ModelSpec(drafter)) if model else None, shape=shape)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)  # rows end at EOS, as in a job
     with SpecCoordinator(functools.partial(load_model, ModelSpec()), drafter_spec, cfg) as coordinator:
         loaded = time.perf_counter()
         out = coordinator.generate([Request(str(i), p["ids"], params) for i, p in enumerate(prompts)])
     end = time.perf_counter()
-    r = out.report
+    r = out.stats
     return figures(Counts.of_results(out.results), end - start, timed="actors' start and load + SpecCoordinator.generate",
                    load_s=loaded - start, occupancy=r.occupancy, overlap_efficiency=r.overlap_efficiency,
-                   target_busy_s=r.target_busy_s, draft_busy_s=r.draft_busy_s,
+                   verify_s=r.verify_s, draft_s=r.draft_s,
                    _rows={str(x.request_id): list(x.token_ids) for x in out.results})
 
 
-def pipeline_run(prompt_file, workdir, drafter, k, batch, a) -> dict:
+def pipeline_run(prompt_file, workdir, drafter, k, batch, a, shape="auto") -> dict:
     import pyarrow.parquet as pq
 
     from raysd.jobs.runner import generate
 
     out = tempfile.mkdtemp(dir=workdir)
-    summary = generate(job_config(drafter, k, batch, a.max_new_tokens, input=prompt_file, output=out)).latest_run
+    summary = generate(job_config(drafter, k, batch, a.max_new_tokens, shape, input=prompt_file, output=out)).latest_run
     rows = pq.read_table(out).to_pylist()
     return figures(Counts.of_rows(rows), summary.wall_s, timed="raysd generate, the job's wall (start-up included)",
                    occupancy=summary.occupancy, error_rows=sum(r["error"] is not None for r in rows),
@@ -174,16 +172,19 @@ def run(a, log=print) -> Outcome:
                     variants.append(Variant(engine_name, settings, functools.partial(engine_run, prompts, drafter, k, B, a),
                                             engine_base))
                 elif side == "pipeline":
-                    base = engine_name if "engine" in a.sides else (None if drafter == "none" else f"pipeline none, B={B}")
-                    variants.append(Variant(f"pipeline {label}, B={B}", settings,
-                                            functools.partial(pipeline_run, prompt_file, workdir, drafter, k, B, a), base))
+                    for shape in a.shapes if drafter != "none" else a.shapes[:1]:
+                        base = engine_name if "engine" in a.sides else (None if drafter == "none" else f"pipeline none, B={B}")
+                        variants.append(Variant(f"pipeline {shape} {label}, B={B}", {**settings, "shape": shape},
+                                                functools.partial(pipeline_run, prompt_file, workdir, drafter, k, B, a, shape), base))
                 elif k == "auto":
                     log(f"actors side: skipped {label} (the coordinator alone runs a fixed K)")
                 else:
-                    for m in a.micro_batches:
-                        variants.append(Variant(f"actors {label} M={m}, B={B}", {**settings, "micro_batches": m},
-                                                functools.partial(actors_run, prompts, drafter, k, B, m, a),
-                                                engine_name if "engine" in a.sides else None))
+                    for shape in a.shapes:
+                        for m in a.micro_batches if shape == "split" else [1]:
+                            variants.append(Variant(f"actors {shape} {label} M={m}, B={B}",
+                                                    {**settings, "shape": shape, "micro_batches": m},
+                                                    functools.partial(actors_run, prompts, drafter, k, B, m, a, shape),
+                                                    engine_name if "engine" in a.sides else None))
     try:
         summaries, runs = run_variants(variants, a.repeats, log=log)
     finally:

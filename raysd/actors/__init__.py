@@ -1,4 +1,5 @@
-"""Draft and target in separate Ray actors, drafting overlapped with batched verification.
+"""A replica's model actors on Ray: its target and drafter in one actor, or each in its own with
+drafting overlapped with batched verification (raysd.actors.coordinator says which, and how).
 
 The names below load on first use (PEP 562): `raysd.actors.local`, which a job's driver imports
 to start Ray, then costs no torch and transformers import (a second of CPU on the job's start).
@@ -7,15 +8,14 @@ to start Ray, then costs no torch and transformers import (a second of CPU on th
 import importlib
 
 _EXPORTS = {
-    "ActorResources": "raysd.actors.launch",
-    "CoordinatorConfig": "raysd.actors.coordinator",
+    "ActorResources": "raysd.actors.settings",
+    "CoordinatorConfig": "raysd.actors.settings",
     "RunOutput": "raysd.actors.coordinator",
-    "RunReport": "raysd.actors.coordinator",
     "SpecCoordinator": "raysd.actors.coordinator",
     "DrafterSpec": "raysd.actors.wire",
     "TransferStats": "raysd.actors.wire",
-    "decode_proposal": "raysd.actors.transport",
-    "encode_proposal": "raysd.actors.transport",
+    "decode_proposal": "raysd.actors.proposals",
+    "encode_proposal": "raysd.actors.proposals",
     "pickled_nbytes": "raysd.actors.wire",
 }
 

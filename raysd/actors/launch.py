@@ -1,18 +1,18 @@
 """A replica's placement group and model actors, started by a process that need not import torch.
 
-The model actors' Ray classes here are hosts: each builds its actor (raysd.actors.model_actors:
-TargetActor, DraftActor) in its own process from a picklable `build` callable and forwards every
-call to it, as vLLM's RayWorkerWrapper hosts its worker. Nothing here imports torch, so a job's
-replica (raysd.jobs.replica) starts its model actors first, and they import theirs and load their
-models while the replica sets up its coordinator and tokenizer. `SpecCoordinator` starts its
-actors through here too (one way to start them), and takes actors started ahead of it (`ModelActors`).
-
-The hosts keep the actors' class names, which Ray shows (`ray::TargetActor`) and which the chaos
-tests and the soak look processes up by.
+The model actors' Ray classes here are hosts: each builds its worker (raysd.actors.model_actors:
+TargetWorker, DraftWorker) in its own process from a picklable `build` callable and forwards
+every call to it, as vLLM's RayWorkerWrapper hosts its worker. Nothing here imports torch, so a
+job's replica (raysd.jobs.replica) starts its model actors first, and they import theirs and load
+their models while the replica sets up its coordinator and tokenizer. `SpecCoordinator` starts
+its actors through here too (one way to start them), and takes actors started ahead of it
+(`ModelActors`). Ray shows the hosts' class names (`ray::TargetActor`), by which the chaos tests
+and the soak find their processes.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from dataclasses import dataclass
@@ -24,30 +24,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.actors.local import exit_when_orphaned
+from raysd.actors.settings import MAX_ACTOR_RESTARTS, ActorResources, CoordinatorConfig
+from raysd.actors.wire import DrafterSpec, ModelFactory
+from raysd.models.names import TensorParallel
 
-MAX_ACTOR_RESTARTS = 3  # CoordinatorConfig.max_actor_restarts's default
 
 
 class PlacementFailed(RuntimeError):
     """A replica's placement group could not be placed within its timeout: the cluster has no room
     for its model actors now."""
-
-
-@dataclass(frozen=True)
-class ActorResources:
-    num_cpus: float = 1.0
-    num_gpus: float = 1.0  # fractions share one GPU (keep each model within its share); 0 on CPU
-
-    def __post_init__(self) -> None:
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"resources must be >= 0, got {self}")
-        if self.num_cpus == 0 and self.num_gpus == 0:
-            raise ValueError("an actor needs some CPU or GPU (a placement-group bundle cannot be empty)")
-        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
-            raise ValueError(f"num_gpus above 1 must be whole, got {self.num_gpus}")
-
-    def bundle(self) -> dict[str, float]:
-        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
 
 
 def in_passing_thread(fn: Callable, *args):
@@ -80,8 +65,8 @@ def in_passing_thread(fn: Callable, *args):
 
 
 class TargetActor:
-    """Ray's class for a target actor: `build()` makes raysd.actors.model_actors.TargetActor in this
-    process (and again on Ray's restart of it); each method is that actor's. Its torch work outside
+    """Ray's class for a target actor: `build()` makes raysd.actors.model_actors.TargetWorker in this
+    process (and again on Ray's restart of it); each method is that worker's. Its torch work outside
     the steps runs `in_passing_thread`."""
 
     def __init__(self, build: Callable[[], object]):
@@ -95,6 +80,9 @@ class TargetActor:
 
     def time_steps(self, batch_sizes, k_max, context, reps):
         return in_passing_thread(self.actor.time_steps, batch_sizes, k_max, context, reps)
+
+    def time_drafter(self, batch_sizes, context, reps):
+        return in_passing_thread(self.actor.time_drafter, batch_sizes, context, reps)
 
     def info(self):
         return self.actor.info()
@@ -116,9 +104,9 @@ class TargetActor:
 
 
 class DraftActor:
-    """Ray's class for a draft actor: `build(target_name)` makes raysd.actors.model_actors.DraftActor,
-    which asks the named target actor for its vocabulary size; each method is that actor's (its
-    torch work outside the steps `in_passing_thread`, as the target's)."""
+    """Ray's class for a split replica's draft actor: `build(target_name)` makes raysd.actors.
+    model_actors.DraftWorker, which asks the named target actor for its vocabulary size; each method
+    is that worker's (its torch work outside the steps `in_passing_thread`, as the target's)."""
 
     def __init__(self, build: Callable[[str], object], target_name: str):
         self.actor = in_passing_thread(build, target_name)
@@ -224,3 +212,43 @@ def _options(cls, group: PlacementGroup, bundle_index: int, resources: ActorReso
         scheduling_strategy=strategy,
         max_task_retries=0,  # a lost step is re-run from the rows' start, not retried
     )
+
+
+# How each of a replica's actors builds its worker, from the replica's settings: picklable callables,
+# made in a process that imports no torch.
+
+
+def _target_worker(*args, **kwargs):
+    """raysd.actors.model_actors.TargetWorker, made in the target actor's process: this module
+    names it without importing that one (torch, transformers), which a replica's process never needs."""
+    from raysd.actors.model_actors import TargetWorker
+
+    return TargetWorker(*args, **kwargs)
+
+
+def _draft_worker(*args, **kwargs):
+    from raysd.actors.model_actors import DraftWorker
+
+    return DraftWorker(*args, **kwargs)
+
+
+def target_build(target_factory: ModelFactory, drafter: DrafterSpec, config: CoordinatorConfig, tokenizer_factory=None,
+                 tensor_parallel: TensorParallel = TensorParallel()):
+    """How one rank's target actor builds its worker (with the drafter, in a colocated replica): picklable."""
+    shape = drafter.shape_for(config.target_resources.num_gpus, config.draft_resources.num_gpus, config.target_tensor_parallel)
+    return functools.partial(_target_worker, target_factory, config.runner, drafter if shape == "colocated" else None,
+                             tokenizer_factory, tensor_parallel=tensor_parallel, cuda_graphs=config.cuda_graphs,
+                             compile=config.compile)
+
+
+def draft_build(drafter: DrafterSpec, config: CoordinatorConfig):
+    """How a split replica's draft actor builds its worker, given the target's name: picklable."""
+    return functools.partial(_draft_worker, drafter, measure_bytes=config.measure_bytes)
+
+
+def target_resources(drafter: DrafterSpec, config: CoordinatorConfig):
+    """What each target actor asks for: a colocated replica's one actor holds both models' share."""
+    shape = drafter.shape_for(config.target_resources.num_gpus, config.draft_resources.num_gpus, config.target_tensor_parallel)
+    if shape == "colocated" and drafter.model_factory is not None:
+        return config.target_resources + config.draft_resources
+    return config.target_resources

@@ -1,16 +1,18 @@
-"""The two halves of a speculative step, each in its own (Ray actor) process.
+"""What runs inside a replica's model actors: the workers (as vLLM's Worker inside its Ray wrapper).
 
-DraftActor holds the draft model and one DraftSide per micro-batch; TargetActor holds the
-target model and one TargetSide per micro-batch, and runs the engine's own step
-(raysd.engine.step.speculative_step) on the proposal the draft actor sent. The per-micro-batch
-sides share the actor's model weights and differ only in their KV caches and rows. A model-free
-drafter (n-gram lookup, or none) runs inside the target actor instead, one DraftSide per
-micro-batch beside its TargetSide: the actor then runs the step with both sides, as the
-single-process engine does. Both classes are plain Python: the coordinator makes them Ray
-actors with `ray.remote(...)`, and tests may call them in process.
+- `TargetWorker` holds the target model and one TargetSide per micro-batch. In a colocated replica
+  (raysd.actors.wire.ReplicaShape) it holds the drafter too, a draft model included, with one
+  DraftSide beside each TargetSide, and runs the engine's own step with both
+  (raysd.engine.step.speculative_step), as the single-process engine does.
+- In a split replica, `DraftWorker` holds the draft model and one DraftSide per micro-batch and runs
+  the step's draft half (`settle` the last verdict, `draft_half`); the TargetWorker runs the same
+  step on the proposal it receives.
 
-Every call carries a `StepCall`: what happened to the micro-batch's rows since its last step
-(the last verdict, for the draft side; rows admitted), so one call per actor per step is enough.
+The per-micro-batch sides share the worker's model weights and differ only in their KV caches and
+rows. Both classes are plain Python: raysd.actors.launch hosts each in a Ray actor, and tests may
+call them in process. Every call carries a `StepCall`: what happened to the micro-batch's rows
+since its last step (the last verdict, for the draft side; rows admitted), so one call per actor
+per step is enough.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from raysd.actors.local import exit_when_orphaned
-from raysd.actors.transport import WireProposal, decode_proposal, encode_proposal
+from raysd.actors.proposals import WireProposal, decode_proposal, encode_proposal
 from raysd.actors.turns import Doorbell, Ringer
 from raysd.actors.wire import (
     ActorInfo,
@@ -42,7 +44,7 @@ from raysd.engine.adaptive import KController, PlainRun
 from raysd.engine.draft_assist import DraftAssistDrafter, profile_assist_costs
 from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import decoder
-from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, speculative_step
+from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, draft_half, settle, speculative_step
 from raysd.engine.suffix import SuffixDrafter, SuffixIndex
 from raysd.engine.target import TargetSide
 from raysd.engine.verdict import Plan, StepTimings, Verdict, merge_plain
@@ -214,9 +216,45 @@ def _ask_target_vocab_size(name: str) -> int:
         return answer(target.get_vocab_size.remote, target, "target")
 
 
-class DraftActor:
-    """`target_vocab_size`: an int, or the name of the (named) target actor, which the draft asks
-    once its own model has loaded (so both load in parallel), and asks again after a restart.
+def load_draft(spec: DrafterSpec, device: torch.device):
+    """A drafter spec's model on `device` (None for a model-free drafter), and its own step costs for
+    draft assist's assist k (`profile_assist_costs`, under assist_adaptive) or None."""
+    model = spec.model_factory().to(device).eval() if spec.model_factory else None
+    assist_costs = None
+    if spec.draft_assist != "none" and spec.assist_adaptive and model is not None and not isinstance(model, EagleDraft):
+        with torch.inference_mode():
+            assist_costs = profile_assist_costs(model, spec.assist_k, spec.assist_batch_sizes)
+    return model, assist_costs
+
+
+def drafter_info(spec: DrafterSpec, model, vocab_size: int, device: torch.device, lends_threads: bool = False) -> ActorInfo:
+    """What a drafter says of itself, wherever it runs (its own actor, or beside the target)."""
+    feature = isinstance(model, EagleDraft)
+    if model is None:
+        limit = 2**31 - 1
+    else:
+        limit = model.config.max_position_embeddings if feature else max_model_len(model)
+    # a draft model or an EAGLE draft (its config is its target's family) on the static runner, or a model-free drafter
+    trees = model is None or (spec.runner != "dynamic" and supports_static(model) and spec.draft_assist == "none")
+    return ActorInfo(os.getpid(), str(device), vocab_size, limit, feature, trees, assigned_gpu(), model_dtype(model),
+                     current_node(), lends_threads=lends_threads)
+
+
+def time_drafter(spec: DrafterSpec, model, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
+    """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
+    if model is None:
+        return [0.0 for _ in batch_sizes]
+    if isinstance(model, EagleDraft):  # a feature draft runs on the dynamic runner (FeatureDrafter)
+        model, runner = EagleCausalLM(model, zero_features=True), "dynamic"
+    else:
+        runner = spec.runner
+    return [time_forward(model, B, [0], context, reps, runner)[0] for B in batch_sizes]
+
+
+class DraftWorker:
+    """The draft half of a split replica's step. `target_vocab_size`: an int, or the name of the
+    (named) target actor, which the draft asks once its own model has loaded (so both load in
+    parallel), and asks again after a restart.
     A name travels inline with the constructor call; an ObjectRef or an actor handle would make
     Ray keep the argument in the object store, where it cannot guarantee it for a restart
     (ray-project/ray#53727). The K controller lives here: the plan is chosen where the drafts are
@@ -228,20 +266,16 @@ class DraftActor:
         self.device = assigned_device()
         if spec.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs replays CUDA graphs: the draft actor runs on {self.device}, not a GPU")
-        self.model = spec.model_factory().to(self.device).eval() if spec.model_factory else None
+        self.model, self.assist_costs = load_draft(spec, self.device)
         if isinstance(target_vocab_size, str):  # the target actor's name
             target_vocab_size = _ask_target_vocab_size(target_vocab_size)
         self.target_vocab_size = target_vocab_size
-        self.assist_costs = None  # the draft model's own step costs, for the assist k of draft assist
-        if spec.draft_assist != "none" and spec.assist_adaptive and self.model is not None and not isinstance(self.model, EagleDraft):
-            with torch.inference_mode():
-                self.assist_costs = profile_assist_costs(self.model, spec.assist_k, spec.assist_batch_sizes)
         self.suffix_index = SuffixIndex(spec.suffix.max_cached_sequences, spec.suffix.max_cached_tokens)
         self.sides = _Sides(lambda call: DraftSide(build_drafter(spec, self.model, target_vocab_size, self.device,
                                                                    self.assist_costs, self.suffix_index), call.spec, self.device))
         self.planner = _Planner()
         self.transfer = TransferStats()  # the proposals this actor sent, since the last `transfer_stats`
-        self.draft_s: dict[int, float] = {}  # per micro-batch: the seconds of its last proposal
+        self.draft_s: dict[int, tuple[float, float]] = {}  # per micro-batch: its last proposal's (draft, prefill) seconds
         self.plain_runs: dict[int, PlainRun] = {}  # per micro-batch: the plain run its last proposal asked for
         # Where the target wakes this actor after a call it lent its threads to (`rest`): CPUs only.
         self.doorbell = Doorbell() if Doorbell.available() and self.device.type == "cpu" else None
@@ -250,25 +284,10 @@ class DraftActor:
 
     def time_steps(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """Seconds of one draft forward per batch size (0 for a model-free drafter)."""
-        if self.model is None:
-            return [0.0 for _ in batch_sizes]
-        if isinstance(self.model, EagleDraft):  # a feature draft runs on the dynamic runner (FeatureDrafter)
-            model, runner = EagleCausalLM(self.model, zero_features=True), "dynamic"
-        else:
-            model, runner = self.model, self.spec.runner
-        return [time_forward(model, B, [0], context, reps, runner)[0] for B in batch_sizes]
+        return time_drafter(self.spec, self.model, batch_sizes, context, reps)
 
     def info(self) -> ActorInfo:
-        feature = isinstance(self.model, EagleDraft)
-        if self.model is None:
-            limit = 2**31 - 1
-        else:
-            limit = self.model.config.max_position_embeddings if feature else max_model_len(self.model)
-        # a draft model or an EAGLE draft (its config is its target's family) on the static runner, or n-gram
-        trees = self.model is None or (self.spec.runner != "dynamic" and supports_static(self.model)
-                                       and self.spec.draft_assist == "none")
-        return ActorInfo(os.getpid(), str(self.device), self.target_vocab_size, limit, feature, trees, assigned_gpu(),
-                         model_dtype(self.model), current_node(), lends_threads=self.doorbell is not None)
+        return drafter_info(self.spec, self.model, self.target_vocab_size, self.device, self.doorbell is not None)
 
     def controller_state(self) -> dict:
         """The K controller's pooled evidence and choices (_Planner.state)."""
@@ -285,7 +304,8 @@ class DraftActor:
 
     @torch.inference_mode()
     def propose(self, call: StepCall) -> Proposed:
-        """Apply the micro-batch's last verdict and its new rows, choose the step's plan, propose."""
+        """The micro-batch's last step settled on this side (its verdict), its new rows admitted,
+        then the draft half of its next step (raysd.engine.step: the engine's own code)."""
         start = time.perf_counter()
         side: DraftSide = self.sides.get(call)
         hook = self.planner.for_spec(side.spec)
@@ -293,8 +313,8 @@ class DraftActor:
         if run is not None and call.last_steps:
             hook.end_plain_run(run, call.last_steps)
         if call.verdict is not None:
-            side.commit(call.verdict)
-            hook.observe(call.verdict, self.draft_s.get(call.mb, 0.0), call.verify_s, 0.0)
+            draft_s, prefill_s = self.draft_s.get(call.mb, (0.0, 0.0))
+            settle(side, hook, call.verdict, draft_s, call.verify_s, prefill_s)
         if call.new_rows:
             side.add(call.new_rows)
         plan = hook.plan(side)
@@ -311,9 +331,8 @@ class DraftActor:
             per_step = call.verify_s / call.last_steps if call.last_steps else 0.0
             self.rest_timeout_s = Doorbell.timeout_s(steps * per_step)
         doorbell = self.doorbell.address if lent else None
-        t0 = time.perf_counter()
-        proposal = side.propose(plan)
-        self.draft_s[call.mb] = time.perf_counter() - t0
+        _, proposal, draft_s, prefill_s = draft_half(side, hook, plan)  # the plan chose whether to lend
+        self.draft_s[call.mb] = (draft_s, prefill_s)
         if call.device_proposal:  # device tensors, GPU to GPU over the step graph's NCCL channel
             return Proposed(plan, proposal, time.perf_counter() - start, steps, lent, doorbell)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
@@ -321,7 +340,7 @@ class DraftActor:
             t = self.transfer
             t.steps, t.proposal = t.steps + 1, t.proposal + pickled_nbytes(wire)
             t.dense_equivalent += proposal.draft_probs.numel() * 4
-            t.sparse_steps += wire.encoding == "sparse"
+            t.sparse_steps += wire.encoding != "dense"
         if call.proposal_doorbell is not None:  # the target sleeps until now (TargetActor.await_proposal)
             self.ringer.ring(call.proposal_doorbell, call.ticket)
         return Proposed(plan, wire, time.perf_counter() - start, steps, lent, doorbell)
@@ -333,10 +352,11 @@ class DraftActor:
             self.doorbell.wait(self.rest_timeout_s)
 
 
-class TargetActor:
+class TargetWorker:
     """The target model, and per micro-batch its TargetSide (the rows' state beside the target's
-    KV cache). `drafter`: a model-free drafter (DrafterSpec.colocated) to run here, one DraftSide
-    per micro-batch beside its TargetSide, with this actor's own K controller.
+    KV cache). `drafter`: in a colocated replica, the drafter to run here (a draft model, an EAGLE
+    draft or a model-free one), one DraftSide per micro-batch beside its TargetSide, with this
+    worker's own K controller; None in a split replica, whose draft worker proposes.
 
     `tensor_parallel`: this actor is one rank of a tensor-parallel target (raysd.models.
     tensor_parallel): it keeps its 1/N of the weights, sharded before it moves to its device and
@@ -351,12 +371,12 @@ class TargetActor:
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
                  tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel(),
                  cuda_graphs: bool = False, compile: bool = False):
-        if drafter is not None and not drafter.colocated:
-            raise ValueError("only a model-free drafter (DrafterSpec.colocated) runs inside the target actor")
         exit_when_orphaned()
         self.device = assigned_device()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs replays CUDA graphs: the target actor runs on {self.device}, not a GPU")
+        if drafter is not None and drafter.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs replays CUDA graphs: the draft model runs on {self.device}, not a GPU")
         self.tensor_parallel = tensor_parallel
         model = model_factory()
         # Shard where the factory loaded it (the host, for a model loaded on the CPU): the device then
@@ -365,6 +385,9 @@ class TargetActor:
         self.runner = runner
         self.vocab_size = output_vocab_size(self.model)
         self.colocated = drafter is not None
+        self.drafter_spec = drafter
+        # A colocated draft model lives here, on the target's device, beside the target's weights.
+        self.draft_model, assist_costs = load_draft(drafter, self.device) if drafter is not None else (None, None)
         # The target's tokenizer, for stop strings (decoded where the rows' state lives).
         tokenizer = None if tokenizer_factory is None else tokenizer_factory()  # None: the target has none
         decode = None if tokenizer is None else decoder(tokenizer)
@@ -381,7 +404,7 @@ class TargetActor:
                                 cuda_graphs=cuda_graphs, compile=compile)
             if drafter is None:
                 return target
-            built = build_drafter(drafter, None, self.vocab_size, self.device, suffix_index=self.suffix_index)
+            built = build_drafter(drafter, self.draft_model, self.vocab_size, self.device, assist_costs, self.suffix_index)
             return DraftSide(built, call.spec, self.device), target
 
         self.sides = _Sides(make)
@@ -407,10 +430,16 @@ class TargetActor:
 
     def info(self) -> ActorInfo:
         trees = self.runner != "dynamic" and supports_static(self.model)
+        colocated = None if self.drafter_spec is None else drafter_info(self.drafter_spec, self.draft_model, self.vocab_size,
+                                                                        self.device)
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
                          gpu=assigned_gpu(), dtype=model_dtype(self.model), node=current_node(),
                          tensor_parallel=self.tensor_parallel, eos_token_ids=eos_token_ids(self.model),
-                         doorbell=None if self.doorbell is None else self.doorbell.address)
+                         doorbell=None if self.doorbell is None else self.doorbell.address, drafter=colocated)
+
+    def time_drafter(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
+        """A colocated drafter's seconds of one draft forward per batch size (DraftWorker.time_steps)."""
+        return time_drafter(self.drafter_spec, self.draft_model, batch_sizes, context, reps)
 
     def get_vocab_size(self) -> int:
         return self.vocab_size
@@ -498,6 +527,7 @@ class TargetActor:
                 if verdict.finished:
                     break
             timings = _minus(hook.timings, before)
+            verdict = dataclasses.replace(verdict, features=None)  # a feature draft here read them already
         timings.wall_s = time.perf_counter() - start
         return verdict, timings
 

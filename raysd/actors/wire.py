@@ -3,9 +3,9 @@ actor builds its drafter (`DrafterSpec`), each step's call (`StepCall`), what an
 itself (`ActorInfo`), the failures the coordinator recovers from, and the bytes it all takes.
 
 Nothing here imports torch: the coordinator (raysd.actors.coordinator) only makes, sends and reads
-these, so a job's replica, which runs it, imports no torch or transformers for it (~2.5 s of CPU
-per replica on a 2-core machine, at every job's start). The model actors build from them
-(raysd.actors.model_actors). Proposals travel between the actors (raysd.actors.transport).
+these, so a job's replica, which runs it, imports no torch or transformers for it. The model
+actors' workers build from them (raysd.actors.model_actors). Proposals travel between the actors
+as raysd.actors.proposals encodes them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
+from raysd.actors.settings import REPLICA_SHAPES, replica_shape
 from raysd.core.speculation import SpeculationConfig, SuffixConfig
 from raysd.engine.requests import Request
 from raysd.engine.verdict import Verdict
@@ -22,7 +23,7 @@ from raysd.models.names import TensorParallel, check_draft_assist, check_runner_
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ProbsEncoding = Literal["auto", "dense", "sparse"]  # how a proposal's draft_probs travel (raysd.actors.transport)
+ProbsEncoding = Literal["auto", "dense", "sparse"]  # how a proposal's draft_probs travel (raysd.actors.proposals)
 ENCODINGS = ("auto", "dense", "sparse")
 
 ModelFactory = Callable[[], "PreTrainedModel"]  # picklable, e.g. functools.partial(load_model, spec)
@@ -70,16 +71,9 @@ class DrafterSpec:
     assist_k: int = 4
     assist_adaptive: bool = True
     assist_batch_sizes: tuple[int, ...] = (1, 16)
-    # A model-free drafter (n-gram lookup, or no drafting) runs inside the target actor, beside
-    # the rows' tokens: a step is then one call to one actor, with no draft actor to keep in
-    # step. In its own actor it would cost a round trip per step and overlap nothing, as it has
-    # no model to run (docs/actors.md). False keeps it in a draft actor of its own.
-    colocate: bool = True
-
-    @property
-    def colocated(self) -> bool:
-        """Whether the coordinator runs this drafter inside the target actor (no draft actor)."""
-        return self.colocate and self.model_factory is None
+    # Where it runs (raysd.actors.settings.REPLICA_SHAPES): "auto" decides by where the models live
+    # (`replica_shape`); "split" keeps even a model-free drafter in an actor of its own, for studies.
+    shape: str = "auto"
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner)
@@ -102,6 +96,13 @@ class DrafterSpec:
                              "(runner 'auto' or 'static'), without draft assist")
         if self.probs_encoding not in ENCODINGS:
             raise ValueError(f"probs_encoding must be one of {ENCODINGS}, got {self.probs_encoding!r}")
+        if self.shape not in REPLICA_SHAPES:
+            raise ValueError(f"shape must be one of {REPLICA_SHAPES}, got {self.shape!r}")
+
+    def shape_for(self, target_gpus: float, draft_gpus: float, tensor_parallel: int = 1) -> str:
+        """"colocated" or "split", given each model actor's GPUs (raysd.actors.settings.replica_shape)."""
+        return replica_shape(self.shape, self.model_factory is not None, target_gpus, draft_gpus, tensor_parallel)
+
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class ActorInfo:
     eos_token_ids: tuple[int, ...] = ()  # the target's (generation config, else model config); () for a draft
     lends_threads: bool = False  # a draft actor that can lend its CPU threads to the target (raysd.actors.turns)
     doorbell: str | None = None  # a target actor's on the CPU, where a lending draft wakes it (StepCall.proposal_doorbell)
+    drafter: "ActorInfo | None" = None  # a target actor's: the drafter it runs itself (a colocated replica)
 
 
 def pickled_nbytes(obj) -> int:
@@ -185,7 +187,7 @@ class TransferStats:
     target_args: int = 0
     results: int = 0
     features: int = 0
-    sparse_steps: int = 0  # steps whose proposal travelled sparse
+    sparse_steps: int = 0  # steps whose proposal travelled smaller than dense (its ids alone, or sparse)
 
     @property
     def total(self) -> int:

@@ -37,7 +37,7 @@ class Proposal:
     num_draft_host: tuple[int, ...] | None = None  # num_draft_tokens on the host, when the drafter knows it
     # Every drafted position's draft_probs is one-hot at its draft token (greedy rows only, or a
     # deterministic drafter): what crosses to a target actor is then the tokens alone, without
-    # reading the [B, K, V] tensor (raysd.actors.transport.encode_proposal).
+    # reading the [B, K, V] tensor (raysd.actors.proposals.encode_proposal).
     one_hot: bool = False
 
     @staticmethod

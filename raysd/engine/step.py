@@ -95,17 +95,40 @@ def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, ho
        first stop condition (the target side counts them into its rows' statistics);
     4. roll back: both KV caches keep exactly the kept tokens (`commit`, target and draft);
     5. retire: rows that finished leave both sides (`commit`), their results in the verdict.
+
+    Its halves are `draft_half` (1) and `target_half` (2-5 on the target), then `settle` (4-5 on the
+    draft): a draft actor runs the first and the last of these on its side of a split replica.
     """
-    plan = hook.plan(draft)  # K and the tree of this step
-    prefilled, start = draft.prefill_s, time.perf_counter()
-    proposal = draft.propose(plan)  # 1
-    proposed = time.perf_counter()
-    verdict = target.verify(proposal, plan)  # 2, 3
-    target.commit(verdict)  # 4, 5 on the target...
-    draft.commit(verdict)  # ...and on the draft, to the same tokens and rows
-    prefill_s = draft.prefill_s - prefilled
-    hook.observe(verdict, proposed - start - prefill_s, time.perf_counter() - proposed, prefill_s)
+    plan, proposal, draft_s, prefill_s = draft_half(draft, hook)
+    verdict, verify_s = target_half(target, proposal, plan)
+    settle(draft, hook, verdict, draft_s, verify_s, prefill_s)
     return verdict
+
+
+def draft_half(draft: DraftSide | ReceivedProposal, hook: StepHook, plan: Plan | None = None
+               ) -> tuple[Plan, Proposal, float, float]:
+    """1. The step's plan (K and the tree: the hook's, unless chosen already) and its proposal; with
+    the seconds proposing took and, of them apart, the seconds prefilling cold rows into the drafter."""
+    plan = hook.plan(draft) if plan is None else plan
+    prefilled, start = draft.prefill_s, time.perf_counter()
+    proposal = draft.propose(plan)
+    prefill_s = draft.prefill_s - prefilled
+    return plan, proposal, time.perf_counter() - start - prefill_s, prefill_s
+
+
+def target_half(target: TargetSide, proposal: Proposal, plan: Plan) -> tuple[Verdict, float]:
+    """2-5 on the target side: verify, accept, roll its cache back, retire; with its seconds."""
+    start = time.perf_counter()
+    verdict = target.verify(proposal, plan)
+    target.commit(verdict)
+    return verdict, time.perf_counter() - start
+
+
+def settle(draft: DraftSide | ReceivedProposal, hook: StepHook, verdict: Verdict, draft_s: float, verify_s: float,
+           prefill_s: float = 0.0) -> None:
+    """4-5 on the draft side, to the verdict's tokens and rows; the hook learns from the step."""
+    draft.commit(verdict)
+    hook.observe(verdict, draft_s, verify_s, prefill_s)
 
 
 class DraftSide:

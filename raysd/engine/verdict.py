@@ -1,4 +1,5 @@
-"""What a step plans (`Plan`), decides (`Verdict`) and spends (`StepTimings`): plain records.
+"""What a step plans (`Plan`), decides (`Verdict`) and spends (`StepTimings`), and what a replica's
+loop measured over its steps (`LoopStats`): plain records.
 
 A verdict is the one record of a step, read back from the device once and applied by both sides
 (raysd.engine.step); the Ray actors send it on through a job's replica (raysd.actors.coordinator),
@@ -8,7 +9,7 @@ feature draft's `Verdict.features` are tensors, unpickled where they arrive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -119,3 +120,66 @@ class StepTimings:
     generated_tokens: int = 0  # tokens the steps emitted (each row's kept tokens)
     wall_s: float = 0.0
     borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
+
+
+@dataclass
+class LoopStats:
+    """What a replica's loop measured, summed: the one record that travels from each call's
+    StepTimings (the coordinator's loop) through the replica's reports and the job's totals to the
+    summary, whose `time_breakdown` is a view of it (`breakdown`). Records add field by field;
+    `first_step_at` and `last_step_at` (wall-clock times) keep the earliest and the latest."""
+
+    start_s: float = 0.0  # a replica's start: its model actors, models and tokenizer
+    tokenize_s: float = 0.0  # prompts to token ids (chat template included)
+    queue_wait_s: float = 0.0  # summed over rows: from submission to admission
+    draft_s: float = 0.0  # proposing: a draft actor's calls, or a colocated drafter's share of the target's
+    verify_s: float = 0.0  # the target's calls, a colocated drafter's proposing excluded
+    detokenize_s: float = 0.0  # token ids to text
+    engine_loop_s: float = 0.0  # the loop at work, its idle time excluded: the calls in flight and the loop's own work
+    engine_idle_s: float = 0.0  # the loop with no row to run (its input starved)
+    steps: int = 0  # engine steps (one target forward each)
+    drafted_steps: int = 0  # of which drafted (K > 0)
+    borrowed_steps: int = 0  # of which the target ran on the draft actor's lent threads too
+    active_rows: int = 0  # rows in the micro-batches when each step ended, summed over steps
+    slot_steps: int = 0  # the replica's slots, summed over steps
+    recoveries: int = 0  # times the rows in flight re-ran after a model actor died
+    generated_tokens: int = 0
+    rung_calls: int = 0  # calls the loop slept through until the target rang (raysd.actors.turns)
+    first_step_at: float | None = None
+    last_step_at: float | None = None
+
+    def add(self, other: LoopStats) -> LoopStats:
+        """Add `other` into this record; returns it."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name.endswith("_at"):
+                pick = min if f.name.startswith("first_") else max
+                setattr(self, f.name, theirs if mine is None else mine if theirs is None else pick(mine, theirs))
+            else:
+                setattr(self, f.name, mine + theirs)
+        return self
+
+    def since(self, earlier: LoopStats) -> LoopStats:
+        """What was measured after `earlier` (a copy of this record, taken then); the times kept."""
+        return LoopStats(**{f.name: getattr(self, f.name) if f.name.endswith("_at") else getattr(self, f.name) - getattr(earlier, f.name)
+                            for f in fields(self)})
+
+    @property
+    def occupancy(self) -> float | None:
+        """Mean rows in the micro-batches over steps / the slots: 1 when every step ran full."""
+        return self.active_rows / self.slot_steps if self.slot_steps else None
+
+    @property
+    def overlap_efficiency(self) -> float | None:
+        """(draft + verify - loop) / the shorter of the two: 1 when the shorter side hid behind the
+        longer, 0 when they ran one after the other, below 0 when coordination cost more than both."""
+        shorter = min(self.draft_s, self.verify_s)
+        return (self.draft_s + self.verify_s - self.engine_loop_s) / shorter if shorter > 0 else None
+
+    def breakdown(self) -> dict:
+        """The summary's time_breakdown entries this record holds: each `X_s` field as `X`, in
+        seconds; `occupancy`; `drafted_steps`, the fraction of steps that drafted."""
+        out = {f.name[:-2]: round(getattr(self, f.name), 3) for f in fields(self) if f.name.endswith("_s")}
+        out["occupancy"] = None if self.occupancy is None else round(self.occupancy, 4)
+        out["drafted_steps"] = round(self.drafted_steps / self.steps, 4) if self.steps else None
+        return out

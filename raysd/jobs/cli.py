@@ -15,6 +15,7 @@ from raysd.jobs.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TARGET,
     PLACEMENT_STRATEGIES,
+    REPLICA_SHAPES,
     GenerateConfig,
     JobError,
 )
@@ -112,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--placement-strategy", default="STRICT_PACK", choices=PLACEMENT_STRATEGIES,
                    help="where a replica's draft and target actors go: STRICT_PACK (one node, the default), PACK, "
                         "SPREAD or STRICT_SPREAD (over nodes)")
+    r.add_argument("--replica-shape", default="auto", choices=REPLICA_SHAPES,
+                   help="where a replica's draft model runs: auto (in the target's actor when they share a device, "
+                        "in an actor of its own when each has a GPU), colocated or split (default: auto)")
     r.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=PLACEMENT_TIMEOUT_S,
                    metavar="SECONDS", help="a replica whose model actors cannot be placed in this time retires and "
                    f"its rows go to the others (default: {PLACEMENT_TIMEOUT_S:g})")

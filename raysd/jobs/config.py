@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
+from raysd.actors.settings import PLACEMENT_STRATEGIES, REPLICA_SHAPES, replica_shape  # the first two: flag choices
 from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS  # what --logprobs-mode and --top-logprobs take
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
 from raysd.jobs.schema import MAX_NUM_SAMPLES
@@ -33,10 +34,6 @@ AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
 DEFAULT_MAX_NEW_TOKENS = 64
-# Where a replica's draft and target actors go (Ray placement group strategies; the coordinator's
-# CoordinatorConfig.placement_strategy, raysd.actors.coordinator.STRATEGIES). Not imported from
-# there: checking a config must not import torch.
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
 
 
@@ -99,6 +96,9 @@ class GenerateConfig:
     compile: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
+    # Where a replica's drafter runs (raysd.actors.settings.REPLICA_SHAPES): "auto" puts a draft model in
+    # the target's actor unless each has a GPU of its own; "colocated" or "split" insist (for studies).
+    replica_shape: str = "auto"
     # A replica whose model actors cannot be placed within this many seconds retires: its rows go
     # to the replicas left (docs/reliability.md, "Waits and limits").
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S
@@ -110,9 +110,12 @@ class GenerateConfig:
     verbose: bool = False  # Ray Data's own progress and Ray's messages too
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False  # unpickle .bin/.pt model weights (runs code from the file): trusted files only
-    # K, the tree, the acceptance rule and adaptive K as every step obeys them, made from the flags
-    # above and validated there (raysd.core.speculation); the EOS ids and the step costs of -k auto
-    # are filled in by each replica once its models have loaded.
+    # Not a flag: the target's EOS ids, read from its files by the driver before any actor starts
+    # (raysd.jobs.runner.resolve_eos; None until then). Every replica's rows end at them.
+    eos_token_ids: tuple[int, ...] | None = None
+    # K, the tree, the acceptance rule, adaptive K and the EOS ids as every step obeys them, made from
+    # the fields above and validated there (raysd.core.speculation). -k auto learns its step costs
+    # from the job's own steps.
     speculation: SpeculationConfig = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -183,6 +186,10 @@ class GenerateConfig:
         need(self.placement_strategy in PLACEMENT_STRATEGIES,
              f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         need(self.rows_per_file >= 1, f"--rows-per-file must be >= 1, got {self.rows_per_file}")
+        need(self.replica_shape in REPLICA_SHAPES,
+             f"--replica-shape must be one of {', '.join(REPLICA_SHAPES)}, got {self.replica_shape!r}")
+        need(not (self.replica_shape == "colocated" and self.draft_is_model and self.target_tensor_parallel > 1),
+             "--replica-shape colocated cannot put a draft model inside a tensor-parallel target's ranks: use split")
         need(self.placement_timeout_s > 0, f"--placement-timeout must be > 0 seconds, got {self.placement_timeout_s}")
         need(self.step_timeout_s is None or self.step_timeout_s > 0,
              f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
@@ -193,7 +200,7 @@ class GenerateConfig:
         try:
             return SpeculationConfig(num_speculative_tokens=self.effective_num_speculative_tokens,
                                      tree_budget=self.tree_budget, acceptance=self.acceptance,
-                                     adaptive=AdaptiveConfig() if auto else None)
+                                     eos_token_ids=self.eos_token_ids or (), adaptive=AdaptiveConfig() if auto else None)
         except ValueError as exc:
             text = str(exc)
             for name, flag in (("num_speculative_tokens", "--num-speculative-tokens"), ("tree_budget", "--tree-budget"),
@@ -206,11 +213,19 @@ class GenerateConfig:
         return self.draft not in MODEL_FREE
 
     @property
+    def shape(self) -> str:
+        """Where each replica's drafter runs, "colocated" or "split" (raysd.actors.settings.replica_shape):
+        --replica-shape, or by where the models live (a GPU each: split)."""
+        gpus = self.num_gpus_per_actor
+        return replica_shape(self.replica_shape, self.draft_is_model, gpus, gpus if self.draft_is_model else 0.0,
+                             self.target_tensor_parallel)
+
+    @property
     def actor_cpus(self) -> tuple[float, float]:
-        """(target, draft) actor CPUs of a replica. A model-free drafter (n-gram lookup, none) runs
-        inside the target actor (DrafterSpec.colocated) and its sliver is never placed, so the
-        target's CPUs are the replica's; `auto` left unresolved (an
-        existing cluster, whose nodes this job does not own) is 1 per model actor."""
+        """(target, draft) CPUs of a replica's models. A colocated replica's one actor asks for both
+        (raysd.actors.coordinator.target_resources); a model-free drafter's sliver is never placed,
+        so the target's CPUs are the replica's. `auto` left unresolved (an existing cluster, whose
+        nodes this job does not own) is 1 per model."""
         cpus = 1.0 if self.num_cpus_per_actor is None else self.num_cpus_per_actor
         return cpus, (cpus if self.draft_is_model else MODEL_FREE_DRAFT_CPUS)
 
@@ -274,5 +289,5 @@ class GenerateConfig:
         return fingerprint
 
     def to_dict(self) -> dict:
-        """The flags (what `GenerateConfig(**d)` takes back); the derived `speculation` is left out."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        """The flags (what `GenerateConfig(**d)` takes back); the derived fields are left out."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name != "eos_token_ids"}

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-# Where a job's time goes, from JobStats totals: (summary key, JobStats key), in pipeline order.
-# Each is summed over blocks or rows, over every replica: stages overlap, so they do not add up to
-# the wall time. draft/verify: inside the model actors' step methods. The summary's
-# `time_breakdown` (raysd.jobs.pipeline) and the metric raysd_stage_seconds{stage} both read it.
+# Where a job's time goes, in pipeline order: (summary key, field) of the job's totals, each field
+# the replicas' LoopStats' (raysd.engine.verdict) or, read_s and write_s, the read and write tasks'
+# own. Each is summed over blocks or rows, over every replica: stages overlap, so they do not add
+# up to the wall time. The summary's `time_breakdown` (raysd.jobs.pipeline) and the metric
+# raysd_stage_seconds{stage} both read them.
 STAGE_SECONDS = (("start", "start_s"), ("read", "read_s"), ("tokenize", "tokenize_s"), ("queue_wait", "queue_wait_s"),
-                 ("draft", "draft_busy_s"), ("verify", "target_busy_s"), ("detokenize", "detokenize_s"),
-                 ("write", "write_s"))
+                 ("draft", "draft_s"), ("verify", "verify_s"), ("detokenize", "detokenize_s"), ("write", "write_s"))
 
 REPLICA_LABELS = ("replica", "target_model", "draft_model")
 JOB_LABELS = ("target_model", "draft_model")
@@ -131,8 +131,8 @@ BY_NAME = {m.name: m for m in METRICS}
 # JobStats key -> (metric, its own labels): what JobCounters exports of each report.
 JOB_COUNTS = {
     **{key: ("raysd_stage_seconds", {"stage": stage}) for stage, key in STAGE_SECONDS},
-    "wall_s": ("raysd_engine_loop_seconds", {}), "engine_idle_s": ("raysd_engine_idle_seconds", {}),
-    "engine_steps": ("raysd_engine_steps", {}), "draft_steps": ("raysd_engine_drafted_steps", {}),
+    "engine_loop_s": ("raysd_engine_loop_seconds", {}), "engine_idle_s": ("raysd_engine_idle_seconds", {}),
+    "steps": ("raysd_engine_steps", {}), "drafted_steps": ("raysd_engine_drafted_steps", {}),
     "active_rows": ("raysd_engine_active_rows", {}), "slot_steps": ("raysd_engine_slot_steps", {}),
     "rows_read": ("raysd_rows_read", {}), "rows_skipped": ("raysd_rows_skipped", {}), "rows_written": ("raysd_rows_written", {}),
 }
@@ -244,7 +244,7 @@ class ReplicaMetrics(_Recorder):
 
 class JobCounters(_Recorder):
     """The job's counts (`source` job), exported by the JobStats actor as each report lands: the
-    JOB_COUNTS keys of `JobStats.add`'s counts, the very numbers its totals add."""
+    JOB_COUNTS keys of `JobStats.add`'s counts and LoopStats fields, the very numbers its totals add."""
 
     def add(self, counts: dict) -> None:
         self._guard(self._add, counts)

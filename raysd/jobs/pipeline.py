@@ -12,6 +12,7 @@ stage is busy, so memory holds a few batches per stage, not the input.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from raysd.actors.launch import PlacementFailed
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.io import OutputStore, decode_json_value, output_json_value
+from raysd.engine.verdict import LoopStats
 from raysd.jobs.metrics import STAGE_SECONDS, JobCounters, ReplicaMetrics
 from raysd.jobs.schema import GENERATED_NAMES, OVERRIDE_COLUMNS, row_totals
 
@@ -73,16 +75,20 @@ class JobStats:
 
     def __init__(self, metric_tags: dict[str, str] | None = None):
         self.totals: dict[str, float] = {}
+        self.loop = LoopStats()  # the replicas' loops, summed
         self.notes: list[str] = []  # why replicas retired, in the order they did
         # A restarted instance starts from zero; the summary says its counts are partial.
         self.restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
         # The same counts as live metrics (raysd.jobs.metrics): the dashboard sums what the summary sums.
         self.metrics = JobCounters(metric_tags) if metric_tags is not None else None
 
-    def add(self, **counts: float) -> None:
-        """Sum each count; `first_*_at` and `last_*_at` (wall-clock times) keep the earliest and latest."""
+    def add(self, loop: LoopStats | None = None, **counts: float) -> None:
+        """Add what a replica's loop measured (`loop`) and sum each count; `first_*_at` (a wall-clock
+        time) keeps the earliest."""
+        if loop is not None:
+            self.loop.add(loop)
         if self.metrics is not None:
-            self.metrics.add(counts)
+            self.metrics.add({**({} if loop is None else dataclasses.asdict(loop)), **counts})
         for k, v in counts.items():
             if k.endswith("_at"):
                 if v is not None:
@@ -96,7 +102,7 @@ class JobStats:
         self.notes.append(text)
 
     def get(self) -> dict:
-        totals = {**self.totals, "notes": list(self.notes)}
+        totals = {**self.totals, "notes": list(self.notes), "loop": self.loop}
         return {**totals, "stats_restarted": int(self.restarted)} if self.restarted else totals
 
 
@@ -458,7 +464,7 @@ class GenerateReplica:
         if replica is None:
             return None
         try:
-            generated, report = replica.generate(payload)
+            generated, loop, sources = replica.generate(payload)
         except Exception as exc:
             placement = exc if isinstance(exc, PlacementFailed) else exc.__cause__
             if not isinstance(placement, PlacementFailed):
@@ -467,7 +473,7 @@ class GenerateReplica:
                 self._retire(placement)
             return None
         # This block's finished samples (those not yet taken by _report_live) go with its stage counts.
-        _report(self.stats, **replica.live.take(), **stage_counts(report))
+        _report(self.stats, loop=loop, **replica.live.take(), **sources)
         return generated
 
     def _report_live(self) -> None:
@@ -564,49 +570,28 @@ def _note(stats, text: str) -> None:
         pass
 
 
-def stage_counts(report: dict) -> dict:
-    """JobStats counts from a replica call's report (GenerationReplica.generate)."""
-    return {
-        "start_s": report["start_s"], "tokenize_s": report["tokenize_s"], "detokenize_s": report["detokenize_s"],
-        "queue_wait_s": report["queue_wait_s"], "draft_busy_s": report["draft_busy_s"],
-        "target_busy_s": report["target_busy_s"], "wall_s": report["wall_s"], "engine_idle_s": report["idle_s"],
-        "active_rows": report["active_rows"], "slot_steps": report["steps"] * report["slots"],
-        "engine_steps": report["steps"], "draft_steps": report["draft_steps"], "recoveries": report["recoveries"],
-        "first_step_at": report["first_step_at"], "last_step_at": report["last_step_at"],
-        **{k: v for k, v in report.items() if k.startswith("suffix_")},
-    }
-
-
 def time_breakdown(totals: dict) -> dict:
-    """{stage: seconds} (STAGE_SECONDS, raysd.jobs.metrics) plus `engine_loop`: the replicas' step loops at work (idle
-    excluded), so that engine_loop - verify - draft (a colocated drafter's; a draft actor's overlaps)
-    is what the actor round trips and the loop's own work cost; `engine_idle`; `occupancy`: mean rows
-    in the micro-batches over the engine steps / the replica's slots; and `drafted_steps`: the
-    fraction of engine steps that drafted (both None before the first step), from JobStats totals."""
-    out = {name: round(float(totals.get(key, 0.0)), 3) for name, key in STAGE_SECONDS}
-    out["engine_loop"] = round(float(totals.get("wall_s", 0.0)), 3)
-    out["engine_idle"] = round(float(totals.get("engine_idle_s", 0.0)), 3)
-    out["occupancy"] = occupancy(totals)
-    # Engine steps the draft actor proposed for; the rest had K = 0 (plain decoding, or `-k auto`
-    # chose not to draft) and skipped the draft actor altogether.
-    steps = totals.get("engine_steps", 0)
-    out["drafted_steps"] = round(totals.get("draft_steps", 0) / steps, 4) if steps else None
-    return out
-
-
-def occupancy(totals: dict) -> float | None:
-    slot_steps = totals.get("slot_steps", 0)
-    return round(totals.get("active_rows", 0) / slot_steps, 4) if slot_steps else None
+    """The summary's time_breakdown beside its wall phases, from JobStats totals: seconds per stage
+    (STAGE_SECONDS, raysd.jobs.metrics), then `engine_loop` (the replicas' step loops at work, idle
+    excluded: engine_loop - verify - draft, a colocated drafter's, is what the actor round trips
+    and the loop's own work cost; a draft actor's drafting overlaps), `engine_idle`, `occupancy`
+    (mean rows in the micro-batches / the slots) and `drafted_steps` (the fraction of steps that
+    drafted): a view of the replicas' summed LoopStats and the read and write tasks' seconds."""
+    loop: LoopStats = totals.get("loop") or LoopStats()
+    seen = {**loop.breakdown(), "read": round(float(totals.get("read_s", 0.0)), 3),
+            "write": round(float(totals.get("write_s", 0.0)), 3)}
+    return {**{name: seen[name] for name, _ in STAGE_SECONDS},
+            **{name: seen[name] for name in ("engine_loop", "engine_idle", "occupancy", "drafted_steps")}}
 
 
 def breakdown_text(totals: dict) -> str:
     """The progress line's tail: occupancy and the stage seconds, e.g.
     `; occupancy 0.93; s: read 0.1 tokenize 0.4 queue_wait 3.2 draft 1.0 verify 9.8 detokenize 0.2 write 0.3`."""
-    occ = occupancy(totals)
-    if occ is None:
+    breakdown = time_breakdown(totals)
+    if breakdown["occupancy"] is None:
         return ""
-    stages = " ".join(f"{name} {float(totals.get(key, 0.0)):.1f}" for name, key in STAGE_SECONDS)
-    return f"; occupancy {'n/a' if occ is None else format(occ, '.2f')}; s: {stages}"
+    stages = " ".join(f"{name} {breakdown[name]:.1f}" for name, _ in STAGE_SECONDS)
+    return f"; occupancy {breakdown['occupancy']:.2f}; s: {stages}"
 
 
 class PartsSink(Datasink):

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from raysd.core.stats import SpecDecodeStats
+from raysd.engine.verdict import LoopStats
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.metrics import ReplicaMetrics
 from raysd.jobs.schema import num_samples_of
@@ -142,14 +143,20 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
     return params, seed, None
 
 
-def _eos_ids(target_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
-    """The target's EOS ids: its generation config's, else its model config's (as the target actor
-    read them from the loaded model: no config is read again here), else its tokenizer's."""
-    if target_eos:
-        return tuple(target_eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return (int(tokenizer.eos_token_id),)
-    return ()
+def with_eos_ids(cfg: GenerateConfig) -> GenerateConfig:
+    """`cfg` with the target's EOS ids, read from its files before any actor starts: its generation
+    config's, else its model config's (what its loaded model says: raysd.models.loading.
+    config_eos_token_ids), else its tokenizer's. Rows end at them in every replica."""
+    if cfg.eos_token_ids is not None:
+        return cfg
+    from raysd.models.loading import config_eos_token_ids, load_tokenizer
+
+    eos = config_eos_token_ids(cfg.target, cfg.trust_remote_code)
+    if not eos and not _local_dir_without_tokenizer(cfg.target):
+        tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = (int(tokenizer.eos_token_id),)
+    return dataclasses.replace(cfg, eos_token_ids=tuple(eos))
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -214,11 +221,16 @@ def actor_resources(cfg: GenerateConfig):
             ActorResources(num_cpus=draft_cpus, num_gpus=gpus if cfg.draft_is_model else 0))
 
 
-def actor_args(cfg: GenerateConfig, stop_strings: bool):
-    """(target factory, drafter, coordinator config, tokenizer factory): what a job's SpecCoordinator
-    and its model actors are made of. The replica builds its coordinator from them, and each model
-    actor it starts ahead builds itself from them (`job_target_actor`, `job_draft_actor`), as the
-    coordinator would have built it. The tokenizer factory: for stop strings (None without)."""
+def replica_parts(cfg: GenerateConfig, stop_strings: bool):
+    """(target factory, drafter, coordinator config, tokenizer factory): everything a job's replica
+    is made of, decided from the job's config alone before any of its actors starts, and never
+    changed afterwards. The replica builds its coordinator from them, and each model actor it
+    starts ahead builds itself from them (`job_target_actor`, `job_draft_actor`), as the
+    coordinator would have built it. The shape (raysd.actors.settings.replica_shape) sets the
+    micro-batches: one in a colocated replica, whose one process has nothing to overlap; two in a
+    split one, the draft proposing for one while the target verifies the other. The EOS ids are
+    the job's (`GenerateConfig.eos_token_ids`, read by the driver); -k auto learns its step costs
+    from the replica's own steps. The tokenizer factory: for stop strings (None without)."""
     from raysd.actors import CoordinatorConfig, DrafterSpec
     from raysd.actors.liveness import GROUP_TIMEOUT_S
     from raysd.models.loading import ModelSpec, draft_kind, load_tokenizer
@@ -229,21 +241,23 @@ def actor_args(cfg: GenerateConfig, stop_strings: bool):
         draft_spec = ModelSpec(cfg.draft, cfg.draft_dtype, trust_remote_code=cfg.trust_remote_code,
                                allow_pickle_weights=cfg.allow_pickle_weights)
         if draft_kind(cfg.draft) == "eagle":  # reads the target's features: built on the job's target
-            drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype))
+            drafter = DrafterSpec(functools.partial(load_eagle_on_actor_device, cfg.draft, target_spec, cfg.draft_dtype),
+                                  shape=cfg.replica_shape)
         else:
             drafter = DrafterSpec(functools.partial(load_on_actor_device, draft_spec), draft_assist=cfg.draft_assist,
                                   cuda_graphs=cfg.cuda_graphs and cfg.draft_assist == "none",
-                                  compile=cfg.compile and cfg.draft_assist == "none")
+                                  compile=cfg.compile and cfg.draft_assist == "none", shape=cfg.replica_shape)
     else:  # n-gram lookup, suffix decoding or no drafting: no model, no GPU
-        drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram")
+        drafter = DrafterSpec(None, model_free="suffix" if cfg.draft == SUFFIX else "ngram", shape=cfg.replica_shape)
     target_res, draft_res = actor_resources(cfg)
-    # Adaptive K waits for its step costs (GenerationReplica, once the models have loaded).
+    micro = 1 if cfg.shape == "colocated" else 2
+    speculation = cfg.speculation
+    if speculation.adaptive is not None:  # the cost model weighs drafting beside verifying, or after it
+        speculation = dataclasses.replace(speculation, adaptive=dataclasses.replace(speculation.adaptive, overlapped=micro > 1))
     ccfg = CoordinatorConfig(
-        dataclasses.replace(cfg.speculation, adaptive=None),
-        # One micro-batch until the step costs say two pay: a model-free drafter has nothing to
-        # overlap, and halving the batch would only slow the target.
-        micro_batch_size=cfg.batch_size,
-        num_micro_batches=1,
+        speculation,
+        micro_batch_size=math.ceil(cfg.batch_size / micro),
+        num_micro_batches=micro,
         draft_resources=draft_res,
         target_resources=target_res,
         placement_strategy=cfg.placement_strategy,
@@ -262,18 +276,18 @@ def actor_args(cfg: GenerateConfig, stop_strings: bool):
 
 
 def job_target_actor(cfg: GenerateConfig, stop_strings: bool):
-    """A job's target actor (raysd.actors.model_actors.TargetActor), built in its own process."""
-    from raysd.actors.coordinator import target_build
+    """A job's target worker (raysd.actors.model_actors.TargetWorker), built in its actor's process."""
+    from raysd.actors.launch import target_build
 
-    target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, stop_strings)
+    target_factory, drafter, ccfg, tokenizer_factory = replica_parts(cfg, stop_strings)
     return target_build(target_factory, drafter, ccfg, tokenizer_factory)()
 
 
 def job_draft_actor(cfg: GenerateConfig, target_name: str):
-    """A job's draft actor (raysd.actors.model_actors.DraftActor), built in its own process."""
-    from raysd.actors.coordinator import draft_build
+    """A split replica's draft worker (raysd.actors.model_actors.DraftWorker), built in its actor's process."""
+    from raysd.actors.launch import draft_build
 
-    _, drafter, ccfg, _ = actor_args(cfg, False)
+    _, drafter, ccfg, _ = replica_parts(cfg, False)
     return draft_build(drafter, ccfg)(target_name)
 
 
@@ -336,24 +350,29 @@ class GenerationReplica:
                  stop_strings: bool | None = None):
         """`stop_strings`: rows may ask for stop strings (--stop, or an input `stop` column), so the
         target actor builds the target's tokenizer (None: from cfg.stop alone)."""
+        from raysd.actors.launch import target_resources
         from raysd.actors.launch import start_model_actors
 
         started = time.perf_counter()
+        cfg = with_eos_ids(cfg)  # a job's driver read them already
         self.cfg = cfg
         self.K = cfg.effective_num_speculative_tokens
         if stop_strings is None:
             stop_strings = bool(cfg.stop)
+        parts = replica_parts(cfg, stop_strings)
+        _, drafter, ccfg, _ = parts
         # The model actors first (raysd.actors.launch): they import torch and load their models while
         # this process sets up the coordinator and the tokenizer. A tensor-parallel target's ranks are
         # started by the coordinator, which restarts them together.
         actors = None
         if cfg.target_tensor_parallel == 1:
-            target_res, draft_res = actor_resources(cfg)
+            split = drafter.shape_for(ccfg.target_resources.num_gpus, ccfg.draft_resources.num_gpus) == "split"
             actors = start_model_actors([functools.partial(job_target_actor, cfg, stop_strings)],
-                                        functools.partial(job_draft_actor, cfg) if cfg.draft_is_model else None,
-                                        target_res, draft_res, cfg.placement_strategy, cfg.placement_timeout_s)
+                                        functools.partial(job_draft_actor, cfg) if split else None,
+                                        target_resources(drafter, ccfg), ccfg.draft_resources, cfg.placement_strategy,
+                                        cfg.placement_timeout_s)
         try:
-            self._start(cfg, stop_strings, actors)
+            self._start(cfg, parts, actors)
         except BaseException:
             if actors is not None and getattr(self, "coordinator", None) is None:
                 _release(actors)
@@ -363,13 +382,12 @@ class GenerationReplica:
         # One loop for the replica's life, fed by every concurrent `generate` call: rows of the next
         # block take slots as soon as rows of the last one free them. Bounded: by default three
         # batches' rows queued or running (the Ray Data stage keeps about that many blocks inside).
-        ccfg = self.coordinator.config
         self.slots = ccfg.micro_batch_size * ccfg.num_micro_batches
         self.stream = self.coordinator.stream(max_pending or 3 * self.slots)
         self.coordinator.on_step = self._on_step
-        self._reported: dict = {}
+        self._reported = LoopStats()
         self._sources: dict[str, int] = {}  # a suffix drafter's drafts by source, as last reported
-        self._start_s = time.perf_counter() - started  # actors, models, tokenizer, step costs: in the next report
+        self._start_s = time.perf_counter() - started  # actors, models, tokenizer: in the next report
         self._report_lock = threading.Lock()
         # Concurrent calls share the tokenizer: a fast tokenizer's Rust object refuses concurrent
         # use when a call changes its truncation/padding ("Already borrowed"), so one at a time.
@@ -380,8 +398,8 @@ class GenerationReplica:
         self.metrics.on_step(timings, verdict)
         self.metrics.set_load(self.stream.pending - in_flight, in_flight, in_flight / self.slots)
 
-    def _start(self, cfg: GenerateConfig, stop_strings: bool, actors: ModelActors | None) -> None:
-        """The tokenizer and the coordinator (on `actors`, or starting its own), then the step costs."""
+    def _start(self, cfg: GenerateConfig, parts, actors: ModelActors | None) -> None:
+        """The tokenizer and the coordinator (on `actors`, or starting its own), from `replica_parts`."""
         from raysd.actors import SpecCoordinator
         from raysd.models.loading import load_tokenizer
 
@@ -398,7 +416,7 @@ class GenerationReplica:
 
         thread = threading.Thread(target=load_tok, daemon=True)
         thread.start()
-        target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, stop_strings)
+        target_factory, drafter, ccfg, tokenizer_factory = parts
         # Stop strings are matched where the rows live, in the target actor, on its own copy of the
         # target's tokenizer (built there); only a job whose rows may ask for them pays for it, and
         # only if the target has one (known once this replica's own copy has loaded: without one,
@@ -415,43 +433,6 @@ class GenerationReplica:
         # The dtypes the models run in, "auto" resolved by each model actor on its device.
         self.target_dtype = self.coordinator.target_info.dtype
         self.draft_dtype = self.coordinator.draft_info.dtype if cfg.draft_is_model else None
-        eos = _eos_ids(self.coordinator.target_info.eos_token_ids, self.tokenizer)
-        # The EOS ids come from the target actor's loaded model (its tokenizer as a fallback); rows read them at admission.
-        # -k auto learns its step costs from the job's own steps (LearnedStepCosts) and puts no
-        # profiling pass before the first token; a draft model's cached profile, when there is
-        # one, is the better start.
-        adaptive, micro = cfg.speculation.adaptive, 1
-        if cfg.draft_is_model:
-            from raysd.core.speculation import AdaptiveConfig
-            from raysd.engine.adaptive import choose_k, num_micro_batches
-            from raysd.jobs.profiles import cached_step_costs
-
-            # A draft model's step costs at the batch sizes this replica may run, measured in the
-            # actors once per models and machine (cached): they choose one or two micro-batches.
-            # Under -k auto they are only looked up: with none cached, the job runs one micro-batch
-            # (the choice that needs no costs) and its controller learns the costs as it steps.
-            half = max(1, math.ceil(cfg.batch_size / 2))
-            sizes = sorted({1, half, cfg.batch_size})
-            k_max = max(self.K, cfg.tree_budget)  # a tree of P nodes is weighed by T_target(B, P + 1)
-            c = self.coordinator
-            key = {"target": cfg.target, "target_dtype": self.target_dtype, "draft": cfg.draft, "draft_dtype": self.draft_dtype,
-                   "devices": [c.target_info.device, c.draft_info.device], "cpus": list(cfg.actor_cpus), "k_max": k_max,
-                   "batch_sizes": sizes, "context": 64, "reps": 2}
-            if cfg.target_tensor_parallel > 1:  # absent at 1: the profiles cached before the flag stay valid
-                key["target_tensor_parallel"] = cfg.target_tensor_parallel
-            measure = None if cfg.adaptive_speculation else (lambda: c.profile_step_costs(k_max, sizes, context=64, reps=2))
-            costs, _ = cached_step_costs(key, measure)
-            if costs is not None:
-                serial = AdaptiveConfig(costs)
-                # Under `-k auto`, split or not for the K a batch of rows at the prior acceptance would get.
-                k = choose_k([serial.prior_alpha] * cfg.batch_size, [self.K] * cfg.batch_size, serial) if cfg.adaptive_speculation else self.K
-                micro = num_micro_batches(costs, cfg.batch_size, k)
-                if cfg.adaptive_speculation:
-                    adaptive = dataclasses.replace(cfg.speculation.adaptive, costs=costs, overlapped=micro > 1)
-        speculation = dataclasses.replace(cfg.speculation, eos_token_ids=eos, adaptive=adaptive)
-        self.coordinator.config = dataclasses.replace(
-            self.coordinator.config, speculation=speculation, micro_batch_size=math.ceil(cfg.batch_size / micro),
-            num_micro_batches=micro)
 
     def shutdown(self) -> None:
         try:
@@ -459,9 +440,10 @@ class GenerationReplica:
         finally:
             self.coordinator.shutdown()
 
-    def generate(self, rows: list[dict]) -> tuple[list[list[dict]], dict]:
-        """Each row's output rows (schema.GENERATED_FIELDS), one per sample to generate, in order,
-        and the call's report.
+    def generate(self, rows: list[dict]) -> tuple[list[list[dict]], LoopStats, dict[str, int]]:
+        """Each row's output rows (schema.GENERATED_FIELDS), one per sample to generate, in order;
+        what the replica measured since the last call (`_report`), this call's tokenising and
+        detokenising seconds in it; and a suffix drafter's drafts by source since the last call.
 
         A row holds `id`, `prompt`, optionally the override columns (schema.OVERRIDE_COLUMNS) and
         `done_samples`: sample indices already in the output (a resumed job), which are skipped.
@@ -470,16 +452,12 @@ class GenerationReplica:
         run (bad prompt, bad override) gives an error row per sample (one, sample 0, for a bad
         `num_samples`).
         Thread-safe: concurrent calls feed the same stream, so their rows share the micro-batches.
-        The report: this call's tokenise and detokenise seconds, and the stream's totals since the
-        last report of any call (busy times, steps, occupancy sums, queue wait), so that summing
-        the reports of every call counts each second once.
         """
         from raysd.engine.requests import Request
 
         cfg = self.cfg
         outputs: list[list[dict]] = [[] for _ in rows]
         pending = []  # (row, sample index, seed, future)
-        t0 = time.perf_counter()
         tokenize_s = 0.0
         for i, row in enumerate(rows):
             n, error = num_samples_of(row.get("num_samples"), cfg.num_samples)
@@ -507,7 +485,6 @@ class GenerationReplica:
                 future = self.stream.submit(Request((i, j), ids, params_j))  # blocks while the stream is full
                 future.add_done_callback(self.live.add)
                 pending.append((i, j, params_j.seed, future))
-        submit_s = time.perf_counter() - t0
         detokenize_s = 0.0
         for i, j, seed, future in pending:
             done = future.result()  # raises if the loop failed
@@ -516,25 +493,28 @@ class GenerationReplica:
                                         done.result.stats, done.result.error, seed, done.latency_s, j, done.result))
             detokenize_s += time.perf_counter() - t
             self.metrics.observe_row(outputs[i][-1], "refused")  # an engine's error row: refused at admission
-        report = {"tokenize_s": tokenize_s, "detokenize_s": detokenize_s, "submit_s": submit_s, **self._stream_delta()}
-        return outputs, report
+        report = self._report()
+        report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s
+        return outputs, report, self._draft_sources_delta()
 
-    def _stream_delta(self) -> dict:
-        """The stream's totals since the last call took them."""
+    def _report(self) -> LoopStats:
+        """What the stream measured since the last call took it (and, in the first report, the
+        replica's start), so that summing the reports of every call counts each second once."""
         with self._report_lock:
-            now = self.stream.totals()
-            delta = {k: now[k] - self._reported.get(k, 0) for k in
-                     ("draft_busy_s", "target_busy_s", "steps", "draft_steps", "borrowed_steps", "active_rows", "queue_wait_s", "idle_s",
-                      "recoveries", "wall_s")}
+            now = self.stream.stats()
+            delta = now.since(self._reported)
             self._reported = now
-            delta["start_s"], self._start_s = self._start_s, 0.0
-            if self.cfg.draft == SUFFIX:  # where the suffix drafter's drafts came from, rows finished since
-                sources = self._draft_sources()
-                delta.update({f"suffix_{k}": v - self._sources.get(k, 0) for k, v in sources.items()})
-                self._sources = sources
-        delta["wall_s"] -= delta["idle_s"]  # the loop's working time: the overlap's denominator
-        delta["slots"] = now["slots"]
-        delta["first_step_at"], delta["last_step_at"] = now["first_step_at"], now["last_step_at"]  # times, not deltas
+            delta.start_s, self._start_s = self._start_s, 0.0
+        return delta
+
+    def _draft_sources_delta(self) -> dict[str, int]:
+        """A suffix drafter's drafts by source since the last call took them ({} for other drafters)."""
+        if self.cfg.draft != SUFFIX:
+            return {}
+        with self._report_lock:
+            sources = self._draft_sources()
+            delta = {f"suffix_{k}": v - self._sources.get(k, 0) for k, v in sources.items()}
+            self._sources = sources
         return delta
 
     def _draft_sources(self) -> dict[str, int]:

@@ -460,6 +460,7 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     if started_at is not None:
         clock.mark("process")
     job = check_job(cfg)
+    cfg = _with_eos_ids(cfg)
     source, store, schema = job.source, job.store, job.schema
 
     import ray
@@ -536,11 +537,22 @@ def generate(cfg: GenerateConfig, started_at: float | None = None) -> JobSummary
     return summary
 
 
+def _with_eos_ids(cfg: GenerateConfig) -> GenerateConfig:
+    """The target's EOS ids read once, here, before any actor starts (raysd.jobs.replica.with_eos_ids)."""
+    from raysd.jobs.replica import with_eos_ids
+
+    try:
+        return with_eos_ids(cfg)
+    except Exception as exc:  # noqa: BLE001 - a target whose config cannot be read: one line, before Ray
+        raise JobError(f"cannot read the target's EOS ids from {cfg.target!r}: {str(exc).splitlines()[0]}") from None
+
+
 def _mark_pipeline(clock: WallClock, live: dict) -> None:
     """The pipeline's part of the wall: until the replicas' first step ended (Ray Data's actors,
     the models, the first block's prompts), the steps, and what followed the last step (its
     block's last rows, the last write)."""
-    first, last = live.get("first_step_at"), live.get("last_step_at")
+    loop = live.get("loop")
+    first, last = (None, None) if loop is None else (loop.first_step_at, loop.last_step_at)
     if first is None or last is None:  # no step ran (every row was there already, or all were errors)
         clock.mark("pipeline")
         return
@@ -603,15 +615,16 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
              passes: list[Pass]) -> JobSummary:
     """The whole output's figures from its parts on disk; this run's from its parts' write results
     (`totals`), the job's live counts and its wall clock (the summary's own counting included)."""
-    from raysd.jobs.pipeline import occupancy, time_breakdown
+    from raysd.engine.verdict import LoopStats
+    from raysd.jobs.pipeline import time_breakdown
 
     disk = store.totals()
     clock.mark("summary")
     wall = clock.total
-
-    shorter = min(live.get("draft_busy_s", 0.0), live.get("target_busy_s", 0.0))
-    # Only a draft model has work to overlap (a model-free drafter runs in one micro-batch).
-    overlap = (live["draft_busy_s"] + live["target_busy_s"] - live["wall_s"]) / shorter if shorter > 0 and cfg.draft_is_model else None
+    loop = live.get("loop") or LoopStats()
+    breakdown = time_breakdown(live)
+    # Only a split replica overlaps anything: a colocated one drafts and verifies in one process.
+    overlap = loop.overlap_efficiency if cfg.shape == "split" else None
     run = RunSummary(
         rows=totals["rows"],
         rows_skipped=int(live.get("rows_skipped", 0)),
@@ -622,11 +635,11 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         overlap_efficiency=overlap,
         **pooled(totals, cfg.tree_budget),
         replicas=cfg.replicas,
-        occupancy=occupancy(live),
-        time_breakdown={"wall": dict(clock.phases), **time_breakdown(live)},
+        occupancy=breakdown["occupancy"],
+        time_breakdown={"wall": dict(clock.phases), **breakdown},
         draft_sources={k[len("suffix_"):]: int(v) for k, v in live.items() if k.startswith("suffix_")} or None,
         stats_partial=bool(live.get("stats_restarted") or live.get("stats_lost")),
-        recoveries=int(live.get("recoveries", 0)),
+        recoveries=loop.recoveries,
         replicas_retired=sum(p.retired for p in passes),
         passes=len(passes),
         notes=list(live.get("notes", [])),

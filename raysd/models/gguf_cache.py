@@ -39,7 +39,7 @@ def cache_root() -> Path:
 
 def machine() -> dict:
     """What makes timings of the same models differ between hosts: the key of what raysd measures
-    once per machine (step costs, raysd.jobs.profiles; linear kernels, raysd.models.linear)."""
+    once per machine (the linear-kernel choice, raysd.models.linear)."""
     import platform
 
     import torch

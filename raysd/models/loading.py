@@ -301,6 +301,30 @@ def eos_token_ids(model) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def config_eos_token_ids(name: str, trust_remote_code: bool = False) -> tuple[int, ...]:
+    """What `eos_token_ids` reads from the loaded model, from the model's files alone: transformers
+    gives a model the generation config saved beside it (generation_config.json), else one made
+    from its model config, and `eos_token_ids` reads that, else the model config's."""
+    from transformers import GenerationConfig
+
+    config = load_config(name, trust_remote_code)
+    source, extra = _source(name)
+    generation = None
+    if not extra:  # a GGUF file holds no generation config: transformers makes one from the model config
+        try:
+            generation = GenerationConfig.from_pretrained(source)
+        except OSError:
+            pass
+    if generation is None:
+        generation = GenerationConfig.from_model_config(config)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
 def output_vocab_size(model) -> int:
     """Width of the model's logits. Read from the head's shape, not the config (padded
     vocabularies differ from it), and from `out_features` when the head is quantized

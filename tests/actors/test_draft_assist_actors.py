@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
+from raysd.actors import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.draft_assist import DraftAssistDrafter

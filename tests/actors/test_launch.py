@@ -1,4 +1,4 @@
-"""The model actors' Ray classes (raysd.actors.launch) host the actors of raysd.actors.model_actors:
+"""The model actors' Ray classes (raysd.actors.launch) host the workers of raysd.actors.model_actors:
 every method of those is one of theirs, and a job's actors build themselves as the coordinator
 would have built them."""
 
@@ -8,9 +8,9 @@ import inspect
 import pickle
 
 from raysd.actors import launch, model_actors
-from raysd.actors.coordinator import draft_build, target_build
+from raysd.actors.launch import draft_build, target_build
 from raysd.jobs import GenerateConfig
-from raysd.jobs.replica import actor_args
+from raysd.jobs.replica import replica_parts
 
 
 def _methods(cls) -> dict[str, list[str]]:
@@ -20,24 +20,26 @@ def _methods(cls) -> dict[str, list[str]]:
 
 
 def test_the_hosts_have_every_method_of_the_actors_with_their_parameters():
-    for host, actor in ((launch.TargetActor, model_actors.TargetActor), (launch.DraftActor, model_actors.DraftActor)):
-        assert _methods(host) == _methods(actor), host.__name__
-        assert host.__name__ == actor.__name__  # Ray shows it (ray::TargetActor); the chaos tests look actors up by it
+    for host, worker in ((launch.TargetActor, model_actors.TargetWorker), (launch.DraftActor, model_actors.DraftWorker)):
+        assert _methods(host) == _methods(worker), host.__name__
+    # Ray shows the hosts' names (ray::TargetActor); the chaos tests and the soak look processes up by them
+    assert (launch.TargetActor.__name__, launch.DraftActor.__name__) == ("TargetActor", "DraftActor")
 
 
 def test_a_jobs_actors_build_themselves_from_what_its_coordinator_gets():
     """A replica starts its actors ahead: job_target_actor and job_draft_actor build them in their
-    own processes (again on a restart) from the job's config, through `actor_args`, on which the
-    replica then makes its coordinator. So `actor_args` must give the same arguments in every
+    own processes (again on a restart) from the job's config, through `replica_parts`, on which the
+    replica then makes its coordinator. So `replica_parts` must give the same arguments in every
     process: equal pickles."""
     for draft, stop in (("none", False), ("ngram", True), ("smollm2-135m-instruct-draft", False)):
         cfg = GenerateConfig(input="in.jsonl", output="out", draft=draft, stop=("\n",) if stop else ()).resolve_actor_cpus(2)
-        target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, stop)
-        again = actor_args(cfg, stop)
+        target_factory, drafter, ccfg, tokenizer_factory = replica_parts(cfg, stop)
+        again = replica_parts(cfg, stop)
         assert pickle.dumps(target_build(target_factory, drafter, ccfg, tokenizer_factory)) == pickle.dumps(target_build(*again))
         assert pickle.dumps(draft_build(drafter, ccfg)) == pickle.dumps(draft_build(again[1], again[2]))
         assert (tokenizer_factory is not None) == stop
-        assert drafter.colocated == (not cfg.draft_is_model)
+        assert cfg.shape == "colocated"  # on this machine's CPUs every drafter runs in the target's actor
+        assert drafter.shape_for(ccfg.target_resources.num_gpus, ccfg.draft_resources.num_gpus) == "colocated"
 
 
 def test_model_work_runs_in_a_thread_that_ends_with_it():

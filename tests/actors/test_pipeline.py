@@ -1,6 +1,7 @@
-"""End to end through a local Ray: the two-actor pipeline gives the single-process
-engine's tokens (greedy and seeded sampling), refills slots, reports bytes and
-overlap, keeps the target distribution, and survives a killed actor."""
+"""End to end through a local Ray, for both replica shapes (raysd.actors.settings.replica_shape):
+the draft model in the target's actor (colocated) and in an actor of its own (split) give the
+single-process engine's tokens (greedy and seeded sampling), refill slots, keep the target
+distribution and survive a killed actor; the split shape reports its bytes and overlap."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ from tests.core.test_distribution import chi_square_pvalue
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # tests/actors/conftest.py
 CPU = ActorResources(num_cpus=1, num_gpus=0)
 K = 4
+SHAPES = ["colocated", "split"]
 
 
-def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0), micro_batches=2,
+def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("llama", 0), micro_batches=None,
                  **config) -> SpecCoordinator:
     speculation = SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,))
     cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, num_micro_batches=micro_batches,
@@ -41,9 +43,11 @@ def _coordinator(draft: DrafterSpec, k=K, micro_batch_size=3, target=factory("ll
     return SpecCoordinator(target, draft, cfg)
 
 
-@pytest.fixture(scope="module")
-def random_draft():
-    with _coordinator(DrafterSpec(factory("llama", 1))) as c:
+@pytest.fixture(scope="module", params=SHAPES)
+def random_draft(request):
+    """A random draft model beside the target (one micro-batch) or in an actor of its own (two)."""
+    with _coordinator(DrafterSpec(factory("llama", 1), shape=request.param)) as c:
+        assert c.shape == request.param and (c.draft is None) == (request.param == "colocated")
         yield c
 
 
@@ -64,67 +68,67 @@ def test_greedy_random_draft_matches_engine_and_target(random_draft):
     assert _tokens(out.results) == _tokens(engine)
     assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in reqs]
     assert [r.stats.num_accepted_draft_tokens for r in out.results] == [r.stats.num_accepted_draft_tokens for r in engine]
-    # Bytes: greedy drafts are one-hot, so every proposal travels sparse.
-    t = out.report.transfer
-    assert t.steps == out.report.steps > 0 and t.sparse_steps == t.steps
+    t = out.transfer
+    if random_draft.shape == "colocated":  # several steps per call, no proposal crosses a process
+        assert 0 < t.steps < out.stats.steps and t.proposal == 0
+        return
+    # Bytes: greedy drafts are one-hot, so every proposal travels as its token ids.
+    assert t.steps == out.stats.steps > 0 and t.sparse_steps == t.steps
     assert 0 < t.proposal < t.dense_equivalent / 4
     print("greedy bytes/step", t.per_step())
 
 
-def test_the_step_graph_is_compiled_at_start_and_again_for_more_micro_batches():
-    """The coordinator compiles its step graph when it starts (SpecCoordinator._open_graph), so its
-    first step shares no core with the graph's proxy actor starting; a config that keeps more
-    executions in flight than the graph was compiled for gets a new graph, with the same tokens."""
+def test_the_step_graph_is_compiled_at_start_and_again_for_other_micro_batches():
+    """The transport compiles its step graph when the coordinator starts (GraphTransport.open), so
+    the first step shares no core with the graph's proxy actor starting; a run that keeps other
+    micro-batches in flight gets a graph of its own, with the same tokens."""
     reqs = requests(random_prompts(6, seed=4), max_new_tokens=8)
-    speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
-    cfg = CoordinatorConfig(speculation, micro_batch_size=2, num_micro_batches=1, draft_resources=CPU, target_resources=CPU)
-    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg) as c:
-        first = c._graph
-        assert first is not None and c._graph_capacity == 3  # sized for two micro-batches at least
+    with _coordinator(DrafterSpec(factory("llama", 1), shape="split"), micro_batch_size=2, micro_batches=1) as c:
+        cfg = c.config
+        first = c.transport._graph
+        assert first is not None
         one = c.generate(reqs)
-        c.config = dataclasses.replace(cfg, num_micro_batches=2)
-        two = c.generate(reqs)
-        assert c._graph is first  # two micro-batches fit the graph compiled for one
+        assert c.transport._graph is first
         c.config = dataclasses.replace(cfg, micro_batch_size=1, num_micro_batches=3)
         three = c.generate(reqs)
-        assert c._graph is not first and c._graph_capacity == 4
+        assert c.transport._graph not in (None, first) and c.transport.config.num_micro_batches == 3
     engine = _engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs)
-    assert _tokens(one.results) == _tokens(two.results) == _tokens(three.results) == _tokens(engine)
+    assert _tokens(one.results) == _tokens(three.results) == _tokens(engine)
 
 
-def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_draft, monkeypatch):
+def test_actors_off_the_drivers_node_step_as_tasks_with_the_same_tokens(random_draft):
     """Where this process and its actors are not on one node, each step runs as actor tasks instead
-    of the compiled graph (SpecCoordinator._step_graph): the same tokens and statistics, greedy and
-    seeded sampling."""
-    from raysd.actors.coordinator import _TaskStep
+    of the compiled graph (raysd.actors.transport.open_transport): the same tokens and statistics,
+    greedy and seeded sampling."""
+    from raysd.actors.transport import GraphTransport, TaskTransport
 
     greedy, sampled = greedy_and_sampled(random_prompts(8, seed=9), max_new_tokens=10)
     reqs = greedy + sampled
     graph = random_draft.generate(reqs)
-    assert random_draft.one_node and not isinstance(random_draft._graph, _TaskStep)
-    random_draft._close_graph()
-    monkeypatch.setattr(SpecCoordinator, "one_node", property(lambda self: False))
+    assert random_draft._members().one_node and isinstance(random_draft.transport, GraphTransport)
+    random_draft.transport.close()
+    random_draft.transport = TaskTransport(random_draft._members(), random_draft._transport_config())
     try:
         tasks = random_draft.generate(reqs)
-        assert isinstance(random_draft._graph, _TaskStep)
     finally:
-        random_draft._close_graph()
+        random_draft.transport.close()
+        random_draft.transport = GraphTransport(random_draft._members(), random_draft._transport_config())
     assert _tokens(tasks.results) == _tokens(graph.results)
     assert [r.stats.num_accepted_draft_tokens for r in tasks.results] == [r.stats.num_accepted_draft_tokens for r in graph.results]
 
 
 def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     """The coordinator sleeps instead of spinning in the channel read until the step is about to
-    end (SpecCoordinator._serve, _ReadPacer): from when the target can start it (submission plus
+    end (raysd.actors.transport._ReadPacer): from when the target can start it (submission plus
     the draft's proposing, or the last result) plus the target's shortest recent time, less the
     slack; only once TRUSTED calls without new rows have been timed."""
-    from raysd.actors import coordinator
+    from raysd.actors import transport
     from raysd.engine.verdict import StepTimings
 
     now, slept = [10.0], []
-    monkeypatch.setattr(coordinator.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(coordinator.time, "sleep", slept.append)
-    pacer = coordinator._ReadPacer()
+    monkeypatch.setattr(transport.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(transport.time, "sleep", slept.append)
+    pacer = transport._ReadPacer()
     assert pacer.TRUSTED == 2
     pacer.nap(submitted_at=9.9)
     assert slept == []  # no estimate yet: read at once
@@ -147,7 +151,7 @@ def test_read_pacer_waits_until_just_before_the_step_ends(monkeypatch):
     slept.clear()
     pacer.nap(submitted_at=10.070)  # the shortest recent times: a cheap step is not overslept
     assert slept == [pytest.approx(0.002 + 0.010 * (1 - pacer.SLACK_FRACTION) - pacer.SLACK_S)]
-    pacer = coordinator._ReadPacer()
+    pacer = transport._ReadPacer()
     for _ in range(2):
         pacer.ready(StepTimings(wall_s=0.0004), colocated=True)
     pacer.nap(submitted_at=10.070)  # a step shorter than the nap's wake-up jitter: spin
@@ -164,14 +168,15 @@ def test_seeded_sampling_matches_engine(random_draft):
     assert _tokens(out.results) == _tokens(engine)
     again = random_draft.generate(reqs)  # same seeds, same tokens, whatever the scheduling
     assert _tokens(again.results) == _tokens(out.results)
-    # Full-support draws travel dense; top-k rows alone would be sparse.
-    t = out.report.transfer
-    assert t.sparse_steps < t.steps
+    if random_draft.shape == "split":  # full-support draws travel dense; top-k rows alone would be sparse
+        assert out.transfer.sparse_steps < out.transfer.steps
 
 
 def test_top_k_rows_travel_sparse(random_draft):
+    if random_draft.shape == "colocated":
+        pytest.skip("a colocated replica's proposals never leave its actor")
     reqs = requests(random_prompts(6, seed=3), temperature=1.0, top_k=5, max_new_tokens=8)
-    t = random_draft.generate(reqs).report.transfer
+    t = random_draft.generate(reqs).transfer
     assert t.sparse_steps == t.steps and t.proposal < t.dense_equivalent / 2
 
 
@@ -193,21 +198,25 @@ def test_continuous_refill_and_overlap_report(random_draft):
     assert _tokens(good) == _tokens(_engine(DraftModelDrafter(tiny_model("llama", 1), VOCAB)).generate(reqs[:-1]))
     # No micro-batch waits for its longest row: a waiting request starts as soon as a
     # slot frees, so the run needs far fewer steps than batches padded to their longest row.
-    report = out.report
+    stats = out.stats
     static_steps = sum(max(1 + 2 * i for i in range(j, min(j + 3, 14))) for j in range(0, 14, 3))
-    assert report.steps < static_steps
-    assert report.draft_busy_s > 0 and report.target_busy_s > 0 and report.wall_s > 0
-    assert report.borrowed_steps == 0  # two micro-batches: the draft actor proposes for one while the other verifies
+    assert stats.steps < static_steps
+    assert stats.draft_s > 0 and stats.verify_s > 0 and stats.engine_loop_s > 0
+    assert stats.generated_tokens == sum(len(r.token_ids) for r in good)
+    if random_draft.shape == "colocated":  # drafting and verifying take turns in one process: the loop holds both
+        assert stats.draft_s + stats.verify_s <= stats.engine_loop_s
+        return
+    assert stats.borrowed_steps == 0  # two micro-batches: the draft actor proposes for one while the other verifies
     # Overlap cannot hide more than the shorter side's busy time (<= 1); there is no lower bound:
     # on a loaded machine the wall holds idle time that neither actor's busy time covers.
-    assert report.overlap_efficiency <= 1.0
-    print(f"overlap: draft {report.draft_busy_s:.3f}s target {report.target_busy_s:.3f}s "
-          f"wall {report.wall_s:.3f}s efficiency {report.overlap_efficiency:.2f}")
+    assert stats.overlap_efficiency <= 1.0
+    print(f"overlap: draft {stats.draft_s:.3f}s target {stats.verify_s:.3f}s "
+          f"loop {stats.engine_loop_s:.3f}s efficiency {stats.overlap_efficiency:.2f}")
 
 
 def test_draft_equal_to_target_accepts_everything():
     reqs = requests(random_prompts(6, seed=5), max_new_tokens=13)
-    with _coordinator(DrafterSpec(factory("llama", 0))) as c:
+    with _coordinator(DrafterSpec(factory("llama", 0))) as c:  # colocated: both on this machine's CPUs
         out = c.generate(reqs)
     target = tiny_model("llama", 0)
     assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 13) for r in reqs]
@@ -215,14 +224,15 @@ def test_draft_equal_to_target_accepts_everything():
         assert r.stats.num_draft_tokens > 0 and r.stats.num_accepted_draft_tokens == r.stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("colocate", [True, False], ids=["in-target-actor", "draft-actor"])
-def test_ngram_drafter_k1(colocate):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ngram_drafter_k1(shape):
     """N-gram lookup inside the target actor (the default: no draft actor at all) and in a draft
     actor of its own give the engine's tokens."""
+    colocate = shape == "colocated"
     base = random_prompts(6, seed=6)
     prompts = [p + p for p in base]  # repeats give the lookup something to find
     reqs = requests(prompts, max_new_tokens=10)
-    with _coordinator(DrafterSpec(None, colocate=colocate), k=1, micro_batch_size=2) as c:
+    with _coordinator(DrafterSpec(None, shape=shape), k=1, micro_batch_size=2) as c:
         assert (c.draft is None) == colocate
         out = c.generate(reqs)
         costs = c.profile_step_costs(1, [1], context=8, reps=1)
@@ -231,19 +241,20 @@ def test_ngram_drafter_k1(colocate):
     assert _tokens(out.results) == [hf_greedy(target, p, 10) for p in prompts]
     assert _tokens(out.results) == _tokens(_engine(NgramDrafter(VOCAB), k=1, batch=2).generate(reqs))
     assert sum(r.stats.num_accepted_draft_tokens for r in out.results) > 0
-    assert out.report.draft_steps == out.report.steps
+    assert out.stats.drafted_steps == out.stats.steps
     if colocate:  # no proposal crosses a process boundary
-        assert out.report.transfer.proposal == 0 and out.report.draft_busy_s > 0
+        assert out.transfer.proposal == 0 and out.stats.draft_s > 0
     else:
-        assert out.report.transfer.sparse_steps == out.report.transfer.steps
+        assert out.transfer.sparse_steps == out.transfer.steps
 
 
-def test_top_m_draft_keeps_the_target_distribution():
+@pytest.mark.parametrize("shape", SHAPES)
+def test_top_m_draft_keeps_the_target_distribution(shape):
     """First generated token at temperature 1 over many seeds, with one draft per row
     from a top-2 truncated draft: chi-square against the target's softmax."""
     V, n, m = 16, 1200, 2
     prompt = [3, 7, 5]
-    spec = DrafterSpec(factory("llama", 4, vocab=V), draft_top_m=m)
+    spec = DrafterSpec(factory("llama", 4, vocab=V), draft_top_m=m, shape=shape)
     reqs = [Request(s, prompt, SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True)) for s in range(n)]
     with _coordinator(spec, k=1, micro_batch_size=64, target=factory("llama", 3, vocab=V)) as c:
         out = c.generate(reqs)
@@ -260,7 +271,8 @@ def test_top_m_draft_keeps_the_target_distribution():
     speculation = SpeculationConfig(num_speculative_tokens=1, eos_token_ids=(EOS,))
     engine = SpecEngine(target, drafter, EngineConfig(speculation, max_batch_size=64)).generate(reqs[:200])
     assert _tokens(out.results[:200]) == _tokens(engine)
-    assert out.report.transfer.sparse_steps == out.report.transfer.steps
+    if shape == "split":
+        assert out.transfer.sparse_steps == out.transfer.steps
 
 
 def test_auto_speculation_length_through_the_actors(random_draft):
@@ -272,7 +284,7 @@ def test_auto_speculation_length_through_the_actors(random_draft):
     costs = random_draft.profile_step_costs(K, [1, 3], context=16, reps=1)
     assert costs.k_max == K and all(t > 0 for row in costs.target_s for t in row) and all(t > 0 for t in costs.draft_s)
     plain = random_draft.config
-    adaptive = AdaptiveConfig(costs, overlapped=True)
+    adaptive = AdaptiveConfig(costs, overlapped=random_draft.shape == "split")
     random_draft.config = dataclasses.replace(plain, speculation=dataclasses.replace(plain.speculation, adaptive=adaptive))
     try:
         reqs = requests(random_prompts(6, seed=3), max_new_tokens=10)
@@ -302,8 +314,8 @@ def _eight_steps_per_call(drafter: DrafterSpec, engine_drafter, reqs, **resource
     expected = engine.generate(reqs)
     assert _tokens(out.results) == _tokens(expected)
     assert_same_stats([r.stats for r in out.results], [r.stats for r in expected])
-    assert out.report.steps == engine.timings.steps
-    assert 0 < out.report.draft_steps < out.report.steps  # K was 0 on some steps, not on all
+    assert out.stats.steps == engine.timings.steps
+    assert 0 < out.stats.drafted_steps < out.stats.steps  # K was 0 on some steps, not on all
     # The pooled evidence (summed per call, not per step: float order), and every step's plan.
     assert state["overlap_sum"] == pytest.approx(engine.k_controller.overlap_sum)
     assert state["num_tested_positions"] == engine.k_controller.num_tested_positions
@@ -314,25 +326,29 @@ def _eight_steps_per_call(drafter: DrafterSpec, engine_drafter, reqs, **resource
 def _patient_reads(monkeypatch) -> None:
     """The coordinator waits for every ring however slow the machine is (its wait's timeout is
     what lets a read spin for a target lost mid-call): so `rung_calls` counts rings, not timings."""
-    from raysd.actors import coordinator
+    from raysd.actors import transport
     from raysd.actors.turns import Doorbell
 
     monkeypatch.setattr(Doorbell, "MIN_TIMEOUT_S", 600.0)
-    monkeypatch.setattr(coordinator._ReadPacer, "FIRST_BELL_TIMEOUT_S", 600.0)
+    monkeypatch.setattr(transport._ReadPacer, "FIRST_BELL_TIMEOUT_S", 600.0)
 
 
-def test_colocated_steps_per_call_change_nothing_but_the_calls(monkeypatch):
-    """With the n-gram drafter in the target actor, one call runs several steps (until a row
-    finishes), each choosing its K in the actor: tokens, statistics, steps and the controller's
-    pooled evidence equal the single-process engine's, greedy and seeded; the calls are fewer."""
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_colocated_steps_per_call_change_nothing_but_the_calls(monkeypatch, drafter):
+    """With the drafter in the target actor (n-gram lookup, or a draft model), one call runs several
+    steps (until a row finishes), each choosing its K in the actor: tokens, statistics, steps and
+    the controller's pooled evidence equal the single-process engine's, greedy and seeded; the
+    calls are fewer."""
     prompts = [p + p[:5] for p in random_prompts(7, seed=11)]  # repeats give the lookup something to find
     reqs = requests(prompts[:4], max_new_tokens=12)
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=11 + i))
              for i, p in enumerate(prompts[4:])]
     _patient_reads(monkeypatch)
-    out, _ = _eight_steps_per_call(DrafterSpec(None), NgramDrafter(VOCAB), reqs, target_resources=CPU)
-    assert out.report.transfer.steps < out.report.steps / 2  # calls
-    assert out.report.rung_calls == out.report.transfer.steps  # each read after the target's ring (caller_doorbell)
+    spec, engine_drafter = ((DrafterSpec(None), NgramDrafter(VOCAB)) if drafter == "ngram" else
+                            (DrafterSpec(factory("llama", 1)), DraftModelDrafter(tiny_model("llama", 1), VOCAB)))
+    out, _ = _eight_steps_per_call(spec, engine_drafter, reqs, target_resources=CPU, draft_resources=CPU)
+    assert out.transfer.steps < out.stats.steps / 2  # calls
+    assert out.stats.rung_calls == out.transfer.steps  # each read after the target's ring (caller_doorbell)
 
 
 def test_a_draft_actors_plain_runs_change_nothing_but_the_calls(monkeypatch):
@@ -345,14 +361,15 @@ def test_a_draft_actors_plain_runs_change_nothing_but_the_calls(monkeypatch):
     reqs += [Request(20 + i, p, SamplingParams(temperature=1.0, seed=3 + i, max_new_tokens=24 + i))
              for i, p in enumerate(prompts[4:])]
     _patient_reads(monkeypatch)
-    out, _ = _eight_steps_per_call(DrafterSpec(factory("llama", 1)), DraftModelDrafter(tiny_model("llama", 1), VOCAB),
-                                   reqs, draft_resources=CPU, target_resources=CPU)
-    assert out.report.draft_steps < out.report.steps / 2  # mostly plain
-    assert out.report.transfer.steps < out.report.steps / 2  # calls
+    out, _ = _eight_steps_per_call(DrafterSpec(factory("llama", 1), shape="split"),
+                                   DraftModelDrafter(tiny_model("llama", 1), VOCAB), reqs, draft_resources=CPU,
+                                   target_resources=CPU)
+    assert out.stats.drafted_steps < out.stats.steps / 2  # mostly plain
+    assert out.transfer.steps < out.stats.steps / 2  # calls
     # One micro-batch on one node's CPUs: every call ran on the draft actor's threads too (raysd.actors.turns),
     # and this process slept through every call until the target rang.
-    assert out.report.borrowed_steps == out.report.steps
-    assert out.report.rung_calls == out.report.transfer.steps
+    assert out.stats.borrowed_steps == out.stats.steps
+    assert out.stats.rung_calls == out.transfer.steps
 
 
 def test_unplaceable_actors_fail_fast_with_a_clear_error():
@@ -402,10 +419,10 @@ def _stream_results(c: SpecCoordinator, chunks, max_pending: int):
             t.start()
         for t in threads:
             t.join(timeout=300)
-        totals = stream.totals()
+        stats = stream.stats()
         assert stream.pending == 0
     assert not errors, errors
-    return got, totals
+    return got, stats
 
 
 def test_stream_matches_generate_whatever_the_batch_composition(random_draft):
@@ -417,7 +434,7 @@ def test_stream_matches_generate_whatever_the_batch_composition(random_draft):
                                          max_new_tokens=3 + (7 * i) % 17)) for i, p in enumerate(prompts)]
     reqs.append(Request("bad", [], SamplingParams()))  # refused at submission, like generate does
     ref = {r.request_id: r for r in random_draft.generate(reqs).results}
-    got, totals = _stream_results(random_draft, [reqs[0:5], reqs[5:11], reqs[11:]], max_pending=4)
+    got, stats = _stream_results(random_draft, [reqs[0:5], reqs[5:11], reqs[11:]], max_pending=4)
     assert set(got) == set(ref)
     for rid, done in got.items():
         assert done.result.token_ids == ref[rid].token_ids, rid
@@ -426,10 +443,10 @@ def test_stream_matches_generate_whatever_the_batch_composition(random_draft):
         assert done.result.stats.to_dict() == pytest.approx(ref[rid].stats.to_dict(), rel=1e-5)
         assert done.latency_s >= 0
     assert got["bad"].result.finish_reason == "error" and got["bad"].latency_s == 0.0
-    assert totals["slots"] == 6 and totals["steps"] > 0 and totals["recoveries"] == 0
-    occupancy = totals["active_rows"] / (totals["steps"] * totals["slots"])
-    assert 0 < occupancy <= 4 / 6 + 1e-9  # never more rows than max_pending
-    assert totals["queue_wait_s"] > 0 and totals["draft_busy_s"] > 0 and totals["target_busy_s"] > 0
+    slots = 3 * random_draft.config.micro_batches(random_draft.shape)
+    assert stats.slot_steps == stats.steps * slots and stats.steps > 0 and stats.recoveries == 0
+    assert 0 < stats.occupancy <= min(4 / slots, 1) + 1e-9  # never more rows than max_pending
+    assert stats.queue_wait_s > 0 and stats.draft_s > 0 and stats.verify_s > 0
     # The coordinator runs one loop at a time: generate works again once the stream is closed.
     assert [r.token_ids for r in random_draft.generate(reqs[:3]).results] == [ref[i].token_ids for i in range(3)]
 
@@ -455,26 +472,26 @@ def test_draft_actor_constructor_args_are_inline(random_draft):
     """No ObjectRef among the model actors' constructor arguments: Ray warns that such an actor's
     restart can fail (ray-project/ray#53727). The draft asks the target for its vocabulary itself.
     The driver's log holds Ray's warnings for every actor this process created, the module's
-    `random_draft` pair (a draft actor and a target actor) among them."""
+    `random_draft` actors among them."""
     import glob
 
     logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    assert ray.get(random_draft.draft.info.remote()).vocab_size == VOCAB
+    assert random_draft.draft_info.vocab_size == VOCAB
     time.sleep(1.0)
     warned = [f for f in glob.glob(f"{logs}/python-core-driver-*{os.getpid()}.log")
               if "53727" in open(f, errors="replace").read()]
     assert not warned, warned
 
 
-@pytest.mark.parametrize("runner", ["static", "dynamic"])
-def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner):
+@pytest.mark.parametrize("runner,shape", [("static", "split"), ("dynamic", "colocated")])
+def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner, shape):
     """The actors on each KV-cache runner: greedy tokens equal the target's own `generate`,
     seeded samples equal the single-process engine's on the same runner."""
     prompts = random_prompts(8, seed=6)
     greedy, sampled = greedy_and_sampled(prompts)
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
     cfg = CoordinatorConfig(speculation, micro_batch_size=2, draft_resources=CPU, target_resources=CPU, runner=runner)
-    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner=runner), cfg) as c:
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), runner=runner, shape=shape), cfg) as c:
         out = c.generate(greedy + sampled)
     target = tiny_model("llama", 0)
     assert _tokens(out.results[:4]) == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
@@ -484,17 +501,18 @@ def test_both_runners_through_the_actors_match_the_engine_and_the_target(runner)
     assert _tokens(out.results[4:]) == _tokens(engine.generate(sampled))
 
 
-def test_feature_draft_through_the_actors():
-    """EAGLE across two actors: the target's features go target -> draft through the object store;
-    greedy output is the target's own and sampled output the engine's, token for token."""
+@pytest.mark.parametrize("shape", SHAPES)
+def test_feature_draft_through_the_actors(shape):
+    """EAGLE beside the target, or in an actor of its own (the target's features then go target ->
+    draft through the step graph): greedy output is the target's own and sampled output the
+    engine's, token for token."""
     eagle = functools.partial(tiny_eagle, 0, 3)
-    with _coordinator(DrafterSpec(eagle)) as c:
+    with _coordinator(DrafterSpec(eagle, shape=shape)) as c:
         greedy = requests(random_prompts(7, seed=6), max_new_tokens=11)
         out = c.generate(greedy)
         target = tiny_model("llama", 0)
         assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 11) for r in greedy]
-        t = out.report.transfer
-        assert t.features > 0 and sum(r.stats.num_draft_tokens for r in out.results) > 0
+        assert (out.transfer.features > 0) == (shape == "split") and sum(r.stats.num_draft_tokens for r in out.results) > 0
         sampled = requests(random_prompts(6, seed=7), temperature=1.0, max_new_tokens=9)
         engine = _engine(FeatureDrafter(tiny_eagle(0, 3), VOCAB)).generate(sampled)
         assert _tokens(c.generate(sampled).results) == _tokens(engine)
@@ -506,37 +524,48 @@ def test_plain_decoding_never_asks_the_draft_actor():
         out = c.generate(reqs)
     target = tiny_model("llama", 0)
     assert _tokens(out.results) == [hf_greedy(target, list(r.prompt_token_ids), 9) for r in reqs]
-    assert out.report.steps > 0 and out.report.draft_steps == 0 and out.report.draft_busy_s == 0
+    assert out.stats.steps > 0 and out.stats.drafted_steps == 0 and out.stats.draft_s == 0
 
 
 # The kill tests come last and run on `random_draft` itself: they check that the same coordinator
 # gives the tokens it gave before its actors were killed, and the module's other tests keep actors
-# that were never restarted. Three target kills and two draft kills in all: within the actors'
-# max_actor_restarts (3), so each kill below is a real restart. A coordinator of their own each
-# cost three more coordinator starts (actors, models, compiled graph) for the same checks.
+# that were never restarted. Per shape, at most three kills of one actor: within the actors'
+# max_actor_restarts (3), so each kill below is a real restart.
 
 
-@pytest.mark.parametrize("micro_batches", [2, 1])
-def test_killed_actors_rerun_their_rows(random_draft, micro_batches):
-    """SIGKILL the target mid-run, then the draft mid-run: Ray restarts each, the
-    rows in flight re-run from their start, every request yields one correct result. With one
-    micro-batch the draft actor lends its threads and sleeps on its doorbell through each target
-    call (raysd.actors.turns): a target killed meanwhile never rings, and the draft wakes at its timeout."""
+def test_killed_actors_rerun_their_rows(random_draft):
+    """SIGKILL each of the replica's actors mid-run (colocated: its one actor; split: the target,
+    then the draft): Ray restarts it, the rows in flight re-run from their start, every request
+    yields one correct result, and one death is one recovery."""
+    reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
+    c = random_draft
+    clean = _tokens(c.generate(reqs).results)
+    for actor in [a for a in (c.target, c.draft) if a is not None]:
+        pid = ray.get(actor.info.remote()).pid
+        out = kill_mid_generate(c, reqs, pid, timeout_s=150)
+        assert out.stats.recoveries == 1  # one death, one recovery: nothing else is taken for one
+        assert ray.get(actor.info.remote()).pid != pid  # restarted
+        assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
+        assert _tokens(out.results) == clean
+        assert all(len(r.token_ids) == 24 for r in out.results)
+
+
+def test_a_split_replica_lending_threads_survives_killed_actors(random_draft):
+    """A split replica with one micro-batch: the draft actor lends its threads and sleeps on its
+    doorbell through each target call (raysd.actors.turns). A target killed meanwhile never rings,
+    the draft wakes at its timeout, and the rows re-run; likewise for a killed draft."""
+    if random_draft.shape == "colocated":
+        pytest.skip("a colocated replica has no draft actor to lend threads")
     reqs = requests(random_prompts(12, seed=7), max_new_tokens=24, ignore_eos=True)
     c, plain = random_draft, random_draft.config
     clean = _tokens(c.generate(reqs).results)
-    c.config = dataclasses.replace(plain, num_micro_batches=micro_batches)  # `config` may change between calls
+    c.config = dataclasses.replace(plain, num_micro_batches=1)  # `config` may change between calls
     try:
-        assert c.lend_threads == (micro_batches == 1)
         for actor in (c.target, c.draft):
             pid = ray.get(actor.info.remote()).pid
             out = kill_mid_generate(c, reqs, pid, timeout_s=150)
-            assert out.report.recoveries == 1  # one death, one recovery: nothing else is taken for one
-            assert ray.get(actor.info.remote()).pid != pid  # restarted
-            assert [r.request_id for r in out.results] == [r.request_id for r in reqs]
+            assert c.transport.lend_threads and out.stats.recoveries == 1 and out.stats.borrowed_steps > 0
             assert _tokens(out.results) == clean
-            assert all(len(r.token_ids) == 24 for r in out.results)
-            assert (out.report.borrowed_steps > 0) == (micro_batches == 1)
     finally:
         c.config = plain
 
@@ -557,7 +586,7 @@ def test_killed_actor_mid_stream_reruns_its_rows_once(random_draft):
         os.kill(pid, signal.SIGKILL)
         futures += [stream.submit(r) for r in reqs[6:]]
         got = [f.result(timeout=200).result for f in futures]
-        assert stream.totals()["recoveries"] == 1
+        assert stream.stats().recoveries == 1
     assert ray.get(c.target.info.remote()).pid != pid
     assert [r.request_id for r in got] == [r.request_id for r in reqs]
     assert {r.request_id: r.token_ids for r in got} == clean

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from raysd.actors.coordinator import ActorResources, CoordinatorConfig, SpecCoordinator
+from raysd.actors import ActorResources, CoordinatorConfig, SpecCoordinator
 from raysd.actors.model_actors import DrafterSpec
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.drafters import DraftModelDrafter, FeatureDrafter
@@ -44,21 +44,23 @@ def test_trees_refuse_what_they_cannot_draft():
                         CoordinatorConfig(SpeculationConfig(tree_budget=4), draft_resources=CPU, target_resources=CPU))
 
 
-def test_eagle_tree_through_the_actors_matches_the_target_and_the_engine():
-    """The feature draft's tree across two actors: the target actor returns the features of each
-    row's head and accepted path with its verdict; the draft actor grows its next tree from them."""
+@pytest.mark.parametrize("shape", ["colocated", "split"])
+def test_eagle_tree_through_the_actors_matches_the_target_and_the_engine(shape):
+    """The feature draft's tree beside the target, and across two actors (the target actor returns
+    the features of each row's head and accepted path with its verdict; the draft actor grows its
+    next tree from them)."""
     prompts = random_prompts(8, seed=9)
     greedy, sampled = greedy_and_sampled(prompts)
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), tree_budget=P)
     cfg = CoordinatorConfig(speculation, micro_batch_size=2, draft_resources=CPU, target_resources=CPU)
-    with SpecCoordinator(factory("llama", 0), DrafterSpec(functools.partial(tiny_eagle, 0, 3)), cfg) as c:
+    with SpecCoordinator(factory("llama", 0), DrafterSpec(functools.partial(tiny_eagle, 0, 3), shape=shape), cfg) as c:
         out = c.generate(greedy + sampled)
     target = tiny_model("llama", 0)
     assert [r.token_ids for r in out.results[:4]] == [hf_greedy(target, list(r.prompt_token_ids), 12) for r in greedy]
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), tree_budget=P)
     engine = SpecEngine(target, FeatureDrafter(tiny_eagle(0, 3), VOCAB), EngineConfig(speculation, max_batch_size=3))
     assert [r.token_ids for r in out.results[4:]] == [r.token_ids for r in engine.generate(sampled)]
-    assert any(r.stats.mean_nodes_verified > 1 for r in out.results) and out.report.transfer.features > 0
+    assert any(r.stats.mean_nodes_verified > 1 for r in out.results) and (out.transfer.features > 0) == (c.shape == "split")
 
 
 def test_ngram_tree_through_the_actors_matches_the_target():

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor, borrowed_threads
+from raysd.actors.model_actors import DrafterSpec, DraftWorker, MicroBatchStateLost, StepCall, TargetWorker, borrowed_threads
 from raysd.actors.turns import Doorbell, Ringer
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig, StepCosts
 from raysd.engine.requests import Admission
@@ -81,8 +81,8 @@ def test_a_draft_actor_lends_its_threads_to_a_plain_run_and_rests_until_rung():
     costs = StepCosts((1, 4), ((1.0, 5.0, 5.0, 5.0, 5.0),) * 2, (5.0, 5.0))  # a draft dearer than the target
     spec = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(costs))
     prompts = random_prompts(3, seed=5)
-    draft = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
-    target = TargetActor(functools.partial(tiny_model, "llama", 0))
+    draft = DraftWorker(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
+    target = TargetWorker(functools.partial(tiny_model, "llama", 0))
     assert draft.info().lends_threads
     lent = draft.propose(_first_call(spec, prompts, lend=True))
     assert lent.plan.k == 0 and lent.steps > 1
@@ -93,7 +93,7 @@ def test_a_draft_actor_lends_its_threads_to_a_plain_run_and_rests_until_rung():
     draft.rest(lent)  # rung at the run's end: returns at once
     assert time.perf_counter() - t0 < Doorbell.MIN_TIMEOUT_S
     # Not asked to lend (two micro-batches, or another node): nothing lent, no rest.
-    other = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
+    other = DraftWorker(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
     kept = other.propose(_first_call(spec, prompts))
     assert kept.steps > 1 and kept.lent_threads == 0 and kept.doorbell is None
     other.rest(kept)
@@ -104,11 +104,11 @@ def test_a_draft_actor_lends_its_threads_to_a_plain_run_and_rests_until_rung():
 
 
 def test_the_target_rings_the_callers_doorbell_as_each_call_ends_a_failed_one_too():
-    """The coordinator sleeps through a call on its doorbell (SpecCoordinator.caller_doorbell): the
+    """The coordinator sleeps through a call on its doorbell (GraphTransport.caller_doorbell): the
     target rings it with the call's ticket when the call returns, and when it raises (here: a micro-
     batch whose state this process does not have, as after a restart), so a failure is read at once."""
     spec = SpeculationConfig(num_speculative_tokens=0, eos_token_ids=(EOS,))
-    target = TargetActor(functools.partial(tiny_model, "llama", 0), drafter=DrafterSpec(None))
+    target = TargetWorker(functools.partial(tiny_model, "llama", 0), drafter=DrafterSpec(None))
     bell = Doorbell()
     try:
         call = dataclasses.replace(_first_call(spec, random_prompts(2, seed=3)), caller_doorbell=bell.address, ticket=7)

@@ -57,10 +57,12 @@ def requests(ps, **params):
     return [Request(i, p, SamplingParams(**{"seed": i, "max_new_tokens": MAX_NEW, **params})) for i, p in enumerate(ps)]
 
 
-def coordinator(dtype, micro_batch_size, num_micro_batches):
+def coordinator(dtype, micro_batch_size, num_micro_batches, shape="split"):
+    """Both models on the one GPU: in one actor (colocated) or an actor each sharing it (split)."""
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
     cfg = CoordinatorConfig(speculation, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches, draft_resources=RES, target_resources=RES)
-    return SpecCoordinator(tiny_factory("llama", 0, dtype=dtype), DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=dtype)), cfg)
+    draft = DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=dtype), shape=shape)
+    return SpecCoordinator(tiny_factory("llama", 0, dtype=dtype), draft, cfg)
 
 
 def engine_tokens(dtype, batch, reqs):
@@ -71,16 +73,21 @@ def engine_tokens(dtype, batch, reqs):
     return [r.token_ids for r in engine.generate(reqs)]
 
 
-def test_actors_are_on_the_gpu_and_share_it():
-    with coordinator(torch.bfloat16, 4, 2) as c:
+@pytest.mark.parametrize("shape", ["colocated", "split"])
+def test_actors_are_on_the_gpu(shape):
+    """Both models on the GPU: one process for both (colocated, the default when they share one
+    GPU), or an actor each (split)."""
+    with coordinator(torch.bfloat16, 4, 2 if shape == "split" else 1, shape) as c:
+        assert c.shape == shape
         assert c.target_info.device.startswith(DEVICE.type) and c.draft_info.device.startswith(DEVICE.type)
-        assert c.target_info.pid != c.draft_info.pid
+        assert (c.target_info.pid == c.draft_info.pid) == (shape == "colocated")
 
 
+@pytest.mark.parametrize("shape", ["colocated", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_micro_batch_is_bitwise_the_engine(dtype):
+def test_one_micro_batch_is_bitwise_the_engine(dtype, shape):
     reqs = requests(prompts())
-    with coordinator(dtype, 4, 1) as c:
+    with coordinator(dtype, 4, 1, shape) as c:
         out = c.generate(reqs)
     assert [r.token_ids for r in out.results] == engine_tokens(dtype, 4, reqs)
 
@@ -91,7 +98,7 @@ def test_two_micro_batches_fp32_equal_hf_exactly():
     with coordinator(torch.float32, 3, 2) as c:
         out = c.generate(reqs)
     assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), MAX_NEW) for r in reqs]
-    assert out.report.steps > 0 and out.report.transfer.sparse_steps == out.report.transfer.steps
+    assert out.stats.steps > 0 and out.transfer.sparse_steps == out.transfer.steps
 
 
 def test_two_micro_batches_bf16_equal_hf_up_to_near_ties():
@@ -101,27 +108,29 @@ def test_two_micro_batches_bf16_equal_hf_up_to_near_ties():
         out = c.generate(reqs)
     ps = [list(r.prompt_token_ids) for r in reqs]
     check_greedy_close(target, ps, [r.token_ids for r in out.results], [hf_greedy(target, p, MAX_NEW) for p in ps])
-    print("overlap efficiency on one GPU:", out.report.overlap_efficiency)
+    print("overlap efficiency on one GPU:", out.stats.overlap_efficiency)
 
 
-def test_seeded_sampling_through_actors_equals_engine():
+@pytest.mark.parametrize("shape", ["colocated", "split"])
+def test_seeded_sampling_through_actors_equals_engine(shape):
     reqs = requests(prompts(8, seed=3), temperature=0.8, top_k=20, top_p=0.9)
-    with coordinator(torch.bfloat16, 4, 1) as c:
+    with coordinator(torch.bfloat16, 4, 1, shape) as c:
         out = c.generate(reqs)
     assert [r.token_ids for r in out.results] == engine_tokens(torch.bfloat16, 4, reqs)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (the CPU refusal: tests/jobs/test_options.py)")
-def test_cuda_graphs_through_the_actors_equal_hf_greedy():
+@pytest.mark.parametrize("shape", ["colocated", "split"])
+def test_cuda_graphs_through_the_actors_equal_hf_greedy(shape):
     """CoordinatorConfig(cuda_graphs) and DrafterSpec(cuda_graphs), as `raysd generate --cuda-graphs`
     sets them: the target's and the draft's small forwards replayed as CUDA graphs inside the actors.
     fp32: tokens equal HF's greedy exactly (TF32 off: tests/gpu/conftest.py)."""
     reqs = requests(prompts(seed=4))
     target = tiny_on_device("llama", 0, dtype=torch.float32)
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,))
-    cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=2, draft_resources=RES, target_resources=RES,
-                            cuda_graphs=True)
-    draft = DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=torch.float32), cuda_graphs=True)
+    cfg = CoordinatorConfig(speculation, micro_batch_size=3, num_micro_batches=2 if shape == "split" else 1,
+                            draft_resources=RES, target_resources=RES, cuda_graphs=True)
+    draft = DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=torch.float32), cuda_graphs=True, shape=shape)
     with SpecCoordinator(tiny_factory("llama", 0, dtype=torch.float32), draft, cfg) as c:
         out = c.generate(reqs)
     assert [r.token_ids for r in out.results] == [hf_greedy(target, list(r.prompt_token_ids), MAX_NEW) for r in reqs]

@@ -16,7 +16,7 @@ import pytest
 from raysd.jobs import GenerateConfig, JobError
 from raysd.jobs.config import DEFAULT_DRAFT
 from raysd.jobs.io import open_input
-from raysd.jobs.replica import _eos_ids, prompt_token_ids, row_params, row_seed
+from raysd.jobs.replica import prompt_token_ids, row_params, row_seed, with_eos_ids
 from raysd.jobs.runner import check_job
 from raysd.jobs.schema import GENERATED_FIELDS, output_schema
 
@@ -118,10 +118,8 @@ def test_check_job_catches_problems_before_any_model(tmp_path):
         GenerateConfig(input=inp, output="o", top_p=0)
     with pytest.raises(JobError, match="--placement-strategy must be one of STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"):
         GenerateConfig(input=inp, output="o", placement_strategy="spread")
-    from raysd.actors.coordinator import STRATEGIES
-    from raysd.jobs.config import PLACEMENT_STRATEGIES
-
-    assert PLACEMENT_STRATEGIES == STRATEGIES  # what the job checks is what the coordinator takes
+    with pytest.raises(JobError, match="--replica-shape must be one of auto, colocated, split"):
+        GenerateConfig(input=inp, output="o", replica_shape="both")
 
 
 BAD_JOBS = {
@@ -259,10 +257,21 @@ def test_a_jobs_parquet_read_leaves_ray_datas_default_as_it_was():
     assert out.stdout.strip() == "32"
 
 
-def test_the_targets_eos_comes_from_its_model_then_its_tokenizer():
-    class Tok:
-        eos_token_id = 7
+def test_the_targets_eos_comes_from_its_files_then_its_tokenizer(tmp_path):
+    """The driver reads the EOS ids before any actor starts: what the loaded model says (its
+    generation config, else its model config), else its tokenizer's, else none."""
+    from raysd.models.loading import eos_token_ids
+    from tests.conftest import EOS, tiny_model
+    from tests.reliability.conftest import tiny_tokenizer
 
-    assert _eos_ids((2, 3), Tok()) == (2, 3)  # generation config, else model config: as the target actor read them
-    assert _eos_ids((), Tok()) == (7,)
-    assert _eos_ids((), None) == ()
+    def eos(path):
+        return with_eos_ids(GenerateConfig(input="in.jsonl", output="out", target=str(path))).eos_token_ids
+
+    model = tiny_model("llama", seed=0)
+    model.save_pretrained(tmp_path / "model")
+    assert eos(tmp_path / "model") == eos_token_ids(model) == (EOS,)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path / "no-eos")
+    assert eos(tmp_path / "no-eos") == ()
+    tiny_tokenizer().save_pretrained(tmp_path / "no-eos")
+    assert eos(tmp_path / "no-eos") == (2,)  # the tokenizer's </s>

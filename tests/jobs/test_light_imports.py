@@ -29,13 +29,13 @@ def test_pipeline_module_and_config_check_import_no_torch():
 
 REPLICA = """
 import pickle, sys
-import raysd.actors, raysd.actors.coordinator, raysd.engine.adaptive, raysd.jobs.profiles, raysd.jobs.replica
-from raysd.actors.coordinator import draft_build, target_build
+import raysd.actors, raysd.actors.coordinator, raysd.engine.adaptive, raysd.jobs.replica
+from raysd.actors.launch import draft_build, target_build
 from raysd.jobs import GenerateConfig
-from raysd.jobs.replica import actor_args
+from raysd.jobs.replica import replica_parts
 for draft in ("none", "suffix", "smollm2-135m-instruct-draft", "smollm2-135m-instruct-eagle"):
     cfg = GenerateConfig(input="in.jsonl", output="out", draft=draft).resolve_actor_cpus(2)
-    target_factory, drafter, ccfg, tokenizer_factory = actor_args(cfg, True)
+    target_factory, drafter, ccfg, tokenizer_factory = replica_parts(cfg, True)
     pickle.dumps((target_build(target_factory, drafter, ccfg, tokenizer_factory), draft_build(drafter, ccfg)))
 received = pickle.loads(sys.stdin.buffer.read())
 assert received[0].finished and received[0].logprobs is not None, received[0]
@@ -54,14 +54,14 @@ def test_a_replica_process_imports_no_torch():
     import functools
     import pickle
 
-    from raysd.actors.model_actors import DraftActor, DrafterSpec, StepCall, TargetActor
+    from raysd.actors.model_actors import DrafterSpec, DraftWorker, StepCall, TargetWorker
     from raysd.core.params import SamplingParams
     from raysd.core.speculation import SpeculationConfig
     from raysd.engine.requests import Admission, Request
     from tests.conftest import VOCAB, tiny_model
 
-    draft = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1, 1)), VOCAB)
-    target = TargetActor(functools.partial(tiny_model, "llama", 0))
+    draft = DraftWorker(DrafterSpec(functools.partial(tiny_model, "llama", 1, 1)), VOCAB)
+    target = TargetWorker(functools.partial(tiny_model, "llama", 0))
     spec = SpeculationConfig(num_speculative_tokens=2)
     call = StepCall(0, Admission.of(spec, VOCAB, [512]).spec, None,
                     ((0, Request(0, [5, 6, 7], SamplingParams(max_new_tokens=1, logprobs=True))),))

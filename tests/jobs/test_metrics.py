@@ -117,7 +117,7 @@ def test_rows_by_finish_reason_and_error_kind(monkeypatch):
 def test_job_counters_export_what_job_stats_adds(monkeypatch):
     rec = _Recorded(monkeypatch)
     jc = JobCounters(metrics.job_tags(CFG))
-    jc.add({"read_s": 0.5, "target_busy_s": 2.0, "rows_written": 8, "tokens": 99, "first_step_at": 1.7e9, "start_s": 0.0})
+    jc.add({"read_s": 0.5, "verify_s": 2.0, "rows_written": 8, "tokens": 99, "first_step_at": 1.7e9, "start_s": 0.0})
     assert rec.values("raysd_stage_seconds", stage="read") == [0.5] and rec.values("raysd_stage_seconds", stage="verify") == [2.0]
     assert rec.values("raysd_rows_written") == [8]
     assert len(rec.records) == 3  # the live counts (tokens: the replicas') and times are not exported; 0 is not recorded

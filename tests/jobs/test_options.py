@@ -68,16 +68,16 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
 def test_cuda_graphs_reach_the_model_actors_and_refuse_a_cpu():
     """--cuda-graphs sets the target's (CoordinatorConfig) and a draft model's (DrafterSpec) graphs; a
     model actor that is not on a GPU refuses them before loading its model (tests/gpu runs them)."""
-    from raysd.actors.coordinator import CoordinatorConfig
-    from raysd.actors.model_actors import DraftActor, DrafterSpec, TargetActor
+    from raysd.actors.settings import CoordinatorConfig
+    from raysd.actors.model_actors import DrafterSpec, DraftWorker, TargetWorker
 
     def never():
         raise AssertionError("a model actor on a CPU must refuse cuda_graphs before loading its model")
 
     with pytest.raises(ValueError, match="not a GPU"):
-        TargetActor(never, cuda_graphs=True)
+        TargetWorker(never, cuda_graphs=True)
     with pytest.raises(ValueError, match="not a GPU"):
-        DraftActor(DrafterSpec(never, cuda_graphs=True), VOCAB)
+        DraftWorker(DrafterSpec(never, cuda_graphs=True), VOCAB)
     with pytest.raises(ValueError, match="static runner"):
         CoordinatorConfig(runner="dynamic", cuda_graphs=True)
     for bad in ({}, {"runner": "dynamic"}, {"draft_assist": "ngram"}):
@@ -89,7 +89,7 @@ def test_compile_reaches_the_runners_and_needs_the_static_one():
     """--compile (with --cuda-graphs) sets the target's (CoordinatorConfig, EngineConfig) and a draft model's
     (DrafterSpec, DraftModelDrafter) compiled steps; the dynamic runner and an assisted or absent draft
     model refuse it. Nothing compiles until a step runs (tests/gpu runs them)."""
-    from raysd.actors.coordinator import CoordinatorConfig
+    from raysd.actors.settings import CoordinatorConfig
     from raysd.actors.model_actors import DrafterSpec
     from raysd.engine.drafters import NoDrafter
 

@@ -9,22 +9,25 @@ import pytest
 
 from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig, generate
-from raysd.jobs.pipeline import STAGE_SECONDS, breakdown_text, occupancy, time_breakdown
+from raysd.engine.verdict import LoopStats
+from raysd.jobs.pipeline import STAGE_SECONDS, breakdown_text, time_breakdown
 from raysd.jobs.runner import progress_text
 from tests.jobs.conftest import token_prompts
 
 STAGES = [name for name, _ in STAGE_SECONDS]
 
 
-def test_breakdown_from_job_stats():
-    totals = {"start_s": 4.0, "read_s": 0.5, "tokenize_s": 0.25, "queue_wait_s": 3.0, "draft_busy_s": 1.0, "target_busy_s": 9.0,
-              "detokenize_s": 0.2, "write_s": 0.3, "wall_s": 9.5, "engine_idle_s": 0.1, "active_rows": 90, "slot_steps": 100,
-              "engine_steps": 25, "draft_steps": 5}
+def test_breakdown_is_a_view_of_the_replicas_loop_stats():
+    """The summary's time_breakdown reads the replicas' summed LoopStats (and the read and write
+    tasks' seconds): a field's name is its entry's, `_s` dropped."""
+    loop = LoopStats(start_s=4.0, tokenize_s=0.25, queue_wait_s=3.0, draft_s=1.0, verify_s=9.0, detokenize_s=0.2,
+                     engine_loop_s=9.5, engine_idle_s=0.1, active_rows=90, slot_steps=100, steps=25, drafted_steps=5)
+    totals = {"read_s": 0.5, "write_s": 0.3, "loop": loop}
     assert STAGES == ["start", "read", "tokenize", "queue_wait", "draft", "verify", "detokenize", "write"]
     got = time_breakdown(totals)
     assert got == {"start": 4.0, "read": 0.5, "tokenize": 0.25, "queue_wait": 3.0, "draft": 1.0, "verify": 9.0, "detokenize": 0.2,
                    "write": 0.3, "engine_loop": 9.5, "engine_idle": 0.1, "occupancy": 0.9, "drafted_steps": 0.2}
-    assert occupancy({}) is None and time_breakdown({})["occupancy"] is None and time_breakdown({})["drafted_steps"] is None
+    assert time_breakdown({})["occupancy"] is None and time_breakdown({})["drafted_steps"] is None
     assert breakdown_text(totals) == ("; occupancy 0.90; s: start 4.0 read 0.5 tokenize 0.2 queue_wait 3.0 draft 1.0 verify 9.0 "
                                       "detokenize 0.2 write 0.3")
     assert breakdown_text({"rows_generated": 3}) == ""  # no engine step yet: the line as before
@@ -113,7 +116,7 @@ def test_removing_a_replicas_placement_group_ends_its_model_actors_for_good(loca
     cpu = ActorResources(num_cpus=1, num_gpus=0)
     cfg = CoordinatorConfig(SpeculationConfig(num_speculative_tokens=2, eos_token_ids=(EOS,)), micro_batch_size=2,
                             draft_resources=cpu, target_resources=cpu)
-    coordinator = SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1)), cfg)
+    coordinator = SpecCoordinator(factory("llama", 0), DrafterSpec(factory("llama", 1), shape="split"), cfg)  # two actors
     try:
         coordinator.generate(requests(random_prompts(2, seed=1), max_new_tokens=3))  # its step graph runs
         ids = [coordinator.target._actor_id.hex(), coordinator.draft._actor_id.hex()]

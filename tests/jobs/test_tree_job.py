@@ -77,7 +77,7 @@ def test_a_tree_job_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_r
 @pytest.mark.slow
 def test_a_job_choosing_its_tree_each_step_gives_the_target_greedy_tokens(tmp_path, model_dirs, local_ray):
     """The default -k auto with --tree-budget: each step's chain or tree is chosen from the step
-    costs the replica profiles up to P + 1 tokens; the rows are still the target's own."""
+    costs the replica learns from its own steps; the rows are still the target's own."""
     from transformers import AutoModelForCausalLM
 
     target, draft = model_dirs

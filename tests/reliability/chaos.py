@@ -166,8 +166,8 @@ class JobThread(threading.Thread):
 
         start_job_stats = pipeline.start_job_stats
 
-        def keep_handle():  # the job's JobStats, so that a fault can wait on its counts
-            self.stats = start_job_stats()
+        def keep_handle(*args, **kwargs):  # the job's JobStats, so that a fault can wait on its counts
+            self.stats = start_job_stats(*args, **kwargs)
             return self.stats
 
         pipeline.start_job_stats = keep_handle

@@ -179,7 +179,7 @@ def test_worker_node_lost_mid_job_draft_and_target_spread(cluster, job_input, mo
     try:
         # STRICT_SPREAD: the two actors on two nodes whatever else holds a CPU when the group is
         # placed (under SPREAD, a Ray Data task on the worker at that moment put both on the head).
-        cfg = _config(inp, tmp_path / "out", model_dirs, placement_strategy="STRICT_SPREAD")
+        cfg = _config(inp, tmp_path / "out", model_dirs, placement_strategy="STRICT_SPREAD", replica_shape="split")
         job = JobThread(cfg)
         wait_for(lambda: len(placement_groups()) == 1 and job.rows_generated() >= MID_JOB, job, "the replica at work")
         [pg] = placement_groups()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from raysd.actors.coordinator import ActorResources, CoordinatorConfig
-from raysd.actors.model_actors import DraftActor, DrafterSpec, MicroBatchStateLost, StepCall, TargetActor
-from raysd.actors.transport import decode_proposal, dense_probs_nbytes, encode_proposal
+from raysd.actors.settings import ActorResources, CoordinatorConfig
+from raysd.actors.model_actors import DrafterSpec, DraftWorker, MicroBatchStateLost, StepCall, TargetWorker
+from raysd.actors.proposals import decode_proposal, dense_probs_nbytes, encode_proposal
 from raysd.actors.wire import pickled_nbytes
 from raysd.core.sampling import SamplingParams, SamplingTensors
 from raysd.core.speculation import SpeculationConfig
@@ -67,12 +67,13 @@ def test_empty_proposal_roundtrips():
     assert q.draft_probs.shape == (3, 0, VOCAB) and q.num_draft_tokens.tolist() == [0, 0, 0]
 
 
-def test_ngram_proposal_travels_sparse():
+def test_ngram_proposal_travels_as_its_token_ids():
     d = NgramDrafter(VOCAB)
     d.add_rows([[5, 6, 7, 5, 6], [9]])
     p = d.propose([3, 3], SamplingTensors.from_params([SamplingParams()] * 2), torch.rand(2, 3))
     wire = encode_proposal(p)
-    assert wire.encoding == "sparse" and wire.index.shape[-1] == 1
+    assert wire.encoding == "ids" and wire.index is None and wire.value is None and wire.dense is None
+    assert pickled_nbytes(wire) < pickled_nbytes(encode_proposal(dataclasses.replace(p, one_hot=False), "sparse"))
     _assert_same_drafted(p, decode_proposal(wire))
 
 
@@ -94,7 +95,7 @@ def test_one_hot_proposals_travel_as_their_tokens():
         one_hot = torch.zeros_like(p.draft_probs).scatter_(-1, p.draft_token_ids[..., None], 1.0)
         assert torch.equal(p.draft_probs[drafted], one_hot[drafted])  # the claim holds
         wire = encode_proposal(p)
-        assert wire.encoding == "sparse" and wire.index.shape[-1] == 1
+        assert wire.encoding == "ids"
         general = decode_proposal(encode_proposal(dataclasses.replace(p, one_hot=False)))
         assert torch.equal(decode_proposal(wire).draft_probs, general.draft_probs)
         _assert_same_drafted(p, decode_proposal(wire))
@@ -129,8 +130,8 @@ def test_the_actors_in_process_follow_the_step_protocol():
     """A DraftActor and a TargetActor called in process as the coordinator calls them: a fresh
     micro-batch, then each step's verdict forwarded to the draft with the next call; state the
     actor lacks is an error; the tokens and statistics are the engine's."""
-    draft = DraftActor(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
-    target = TargetActor(functools.partial(tiny_model, "llama", 0))
+    draft = DraftWorker(DrafterSpec(functools.partial(tiny_model, "llama", 1)), VOCAB)
+    target = TargetWorker(functools.partial(tiny_model, "llama", 0))
     with pytest.raises(MicroBatchStateLost):
         draft.propose(StepCall(0))
     spec = SpeculationConfig(num_speculative_tokens=3, eos_token_ids=(EOS,))
