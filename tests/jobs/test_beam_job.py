@@ -1,0 +1,83 @@
+"""The job layer's side of beam search: the flags, their one-line errors, the fingerprint, the
+output columns and the summary's pooling. (A job's replica does not run BeamSearchEngine yet:
+`raysd generate --beam-width` stops at its config, after every other check.)"""
+
+from __future__ import annotations
+
+import argparse
+
+import pyarrow as pa
+import pytest
+
+from raysd.core.beam import BeamConfig
+from raysd.core.stats import SpecDecodeStats
+from raysd.jobs import GenerateConfig, JobError
+from raysd.jobs.cli import add_arguments, config_from_args, run
+from raysd.jobs.runner import pooled
+from raysd.jobs.schema import GENERATED_FIELDS, row_totals
+
+
+def parse(*argv: str) -> GenerateConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(["--input", "in.jsonl", "--output", "out", *argv]))
+
+
+def beam_flags(monkeypatch, *argv: str) -> GenerateConfig:
+    monkeypatch.setattr("raysd.jobs.config.BEAM_JOBS_RUN", True)  # what the replica's wiring turns on
+    return parse(*argv)
+
+
+def test_beam_flags_parse_into_the_engines_config(monkeypatch):
+    cfg = beam_flags(monkeypatch, "--beam-width", "4", "--num-return-sequences", "2", "--length-penalty", "0.5",
+                     "--early-stopping", "never", "--draft", "ngram")
+    assert cfg.beam_config == BeamConfig(4, 0.5, "never", 2)
+    assert cfg.effective_num_speculative_tokens == 4 and not cfg.adaptive_speculation  # -k auto: a fixed depth
+    assert cfg.beam_lookup_budget == 8
+    fp = cfg.fingerprint()
+    assert (fp["beam_width"], fp["num_return_sequences"], fp["length_penalty"], fp["early_stopping"]) == (4, 2, 0.5, "never")
+    assert "beam_width" not in parse().fingerprint() and parse().beam_config is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--beam-width", "1"], "--beam-width must be an integer >= 2"),
+    (["--beam-width", "4", "--temperature", "0.7"], "needs --temperature 0"),
+    (["--beam-width", "4", "--top-p", "0.9"], "no --top-p or --top-k"),
+    (["--beam-width", "4", "--num-return-sequences", "5"], "--num-return-sequences must be in 1..--beam-width (4)"),
+    (["--num-return-sequences", "2"], "--num-return-sequences needs --beam-width"),
+    (["--length-penalty", "2"], "need --beam-width"),
+    (["--beam-width", "4", "-n", "2"], "use --num-return-sequences, not --num-samples"),
+    (["--beam-width", "4", "--stop", "###"], "does not take --stop"),
+    (["--beam-width", "4", "--logprobs"], "does not return --logprobs"),
+    (["--beam-width", "4", "--acceptance", "relaxed:0.5"], "use --acceptance exact"),
+    (["--beam-width", "4", "--draft", "smollm2-135m-instruct-draft", "--tree-budget", "8"], "use --tree-budget 0"),
+    (["--beam-width", "4"], "runs in the engine API for now"),
+])
+def test_beam_conflicts_are_one_line_errors(argv, message):
+    with pytest.raises(JobError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        parse(*argv)
+    assert "\n" not in str(err.value)
+
+
+def test_raysd_generate_with_beams_stops_with_one_line(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--input", "in.jsonl", "--output", "out", "--beam-width", "4", "--temperature", "1"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raysd generate: error: --beam-width") and "\n" not in err
+
+
+def test_output_columns_and_summary_pool_the_beam_statistics():
+    names = [f.name for f in GENERATED_FIELDS]
+    assert "beam_score" in names and "num_beam_nodes_selected" in names
+    schema = pa.schema(GENERATED_FIELDS)
+    assert schema.field("beam_score").nullable and not schema.field("num_beam_nodes_selected").nullable
+    # two prompts' rows: 5 passes and 3 passes; 12 and 4 levels; 30 and 10 nodes, 12 and 2 on a selected beam
+    stats = [SpecDecodeStats(4, num_spec_steps=5, num_draft_tokens=30, num_accepted_draft_tokens=7, num_beam_nodes_selected=12),
+             SpecDecodeStats(4, num_spec_steps=3, num_draft_tokens=10, num_accepted_draft_tokens=1, num_beam_nodes_selected=2)]
+    rows = [{"finish_reason": "stop", "num_generated_tokens": 9, "beam_score": -1.5, **s.to_dict()} for s in stats]
+    table = pa.Table.from_pylist(rows)
+    out = pooled(row_totals(table), tree_budget=0, beam_width=4)
+    assert out["mean_acceptance_length"] == pytest.approx(16 / 8)  # levels per target pass
+    assert out["beam_node_selection_rate"] == pytest.approx(14 / 40)
+    assert pooled(row_totals(table), tree_budget=0)["beam_node_selection_rate"] is None
