@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from raysd.core.beam import BeamConfig, BeamGroup, BeamTree, Replayed, Walk, replay
 from raysd.core.speculation import SpeculationConfig
-from raysd.core.stats import SpecDecodeStats
+from raysd.core.stats import BatchStats, SpecDecodeStats
 from raysd.engine.batch import fill_holes
 from raysd.engine.beam_drafters import BeamDrafter, NoBeamDrafter
 from raysd.engine.cache_rows import CacheRows
@@ -66,30 +67,14 @@ def beam_request_error(request: Request) -> str | None:
 
 @dataclass
 class _Prompt:
-    """A prompt in flight: its caller's index, request, beam search and counts."""
+    """A prompt in flight: its caller's index, request and beam search, the row of each running
+    beam, and the drafted nodes that lay on a selected beam."""
 
     index: int
     request: Request
     group: BeamGroup
-    rows: list[int]  # the row of each running beam
-    passes: int = 0
-    levels: int = 0
-    drafted: int = 0
+    rows: list[int]
     selected: int = 0
-    offered: int = 0
-    no_draft: int = 0
-    histogram: list[int] = field(default_factory=list)  # [K + 1] passes that advanced exactly j + 1 levels
-
-    def stats(self, K: int) -> SpecDecodeStats:
-        """The beam rows' statistics, in SpecDecodeStats' terms: a step is a target pass, an
-        accepted draft a level beyond the one each pass computes (mean_acceptance_length is then
-        levels per pass), a draft a tree node; num_beam_nodes_selected the nodes on a selected beam."""
-        accepted = self.levels - self.passes
-        per_position = [sum(self.histogram[j + 1 :]) for j in range(K)]
-        return SpecDecodeStats(K, num_spec_steps=self.passes, num_draft_tokens=self.drafted,
-                               num_accepted_draft_tokens=accepted, acceptance_histogram=list(self.histogram),
-                               accepted_per_position=per_position, speculation_length_sum=self.offered,
-                               num_steps_without_drafts=self.no_draft, num_beam_nodes_selected=self.selected)
 
 
 @dataclass
@@ -109,7 +94,8 @@ class BeamSearchEngine:
     """Beam search of the target, speculated by a beam drafter, over continuously batched prompts."""
 
     def __init__(self, target: PreTrainedModel, drafter: BeamDrafter | None, config: BeamEngineConfig):
-        self.config, self.W, self.K = config, config.beam.num_beams, config.num_speculative_tokens
+        self.config, self.W = config, config.beam.num_beams
+        self.K = config.num_speculative_tokens if drafter is not None else 0  # no drafter: one level per pass
         self.drafter = drafter or NoBeamDrafter()
         limits = [max_model_len(target)] + ([self.drafter.max_model_len] if self.drafter.max_model_len else [])
         spec = SpeculationConfig(num_speculative_tokens=self.K, eos_token_ids=config.eos_token_ids,
@@ -117,6 +103,10 @@ class BeamSearchEngine:
         self.admission = Admission.of(spec, output_vocab_size(target), limits)
         self.rows = CacheRows(StaticRunner(target, linear_kernels=config.linear_kernels))
         self.prompts: list[_Prompt] = []  # in row order: prompt p holds rows p W .. p W + W - 1
+        # One entry per prompt, in SpecDecodeStats' terms: a step is a target pass, a draft a tree
+        # node, an accepted draft a level beyond the one each pass computes (so that
+        # mean_acceptance_length is the levels advanced per pass).
+        self.stats = BatchStats(self.K)
         self.timings = BeamTimings()
 
     def generate(self, requests: Sequence[Request]) -> list[list[GenerationResult]]:
@@ -136,8 +126,8 @@ class BeamSearchEngine:
             free = self.config.max_batch_size - len(self.prompts)
             if waiting and free:
                 self._admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
-            for prompt in self._pass():
-                results[prompt.index] = self._results(prompt)
+            for prompt, stats in self._pass():
+                results[prompt.index] = self._results(prompt, replace(stats, num_beam_nodes_selected=prompt.selected))
         self.timings.wall_s += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]
 
@@ -153,11 +143,11 @@ class BeamSearchEngine:
             stops = (() if p.ignore_eos else self.admission.spec.eos_token_ids) + p.stop_token_ids
             room = min(p.max_new_tokens, self.admission.max_model_len - len(request.prompt_token_ids))
             rows = list(range(first + n * W, first + (n + 1) * W))
-            self.prompts.append(_Prompt(i, request, BeamGroup(self.config.beam, stops, room), rows,
-                                        histogram=[0] * (self.K + 1)))
+            self.prompts.append(_Prompt(i, request, BeamGroup(self.config.beam, stops, room), rows))
+        self.stats.add(len(items))
         self.timings.prefill_s += time.perf_counter() - t0
 
-    def _pass(self) -> list[_Prompt]:
+    def _pass(self) -> list[tuple[_Prompt, SpecDecodeStats]]:
         """One target pass for every prompt in flight (module docstring); returns those that finished."""
         t0 = time.perf_counter()
         groups, rows = [p.group for p in self.prompts], [p.rows for p in self.prompts]
@@ -168,8 +158,7 @@ class BeamSearchEngine:
         logits = self._verify(tree)  # [R, N + 1, V]
         outcome = replay(groups, rows, logits, tree)
         t2 = time.perf_counter()
-        for prompt, out, depth in zip(self.prompts, outcome, depths):
-            self._count(prompt, out, depth, sum(len(tree.tokens[r]) for r in prompt.rows))
+        self._count(outcome, depths, [sum(len(tree.tokens[r]) for r in p.rows) for p in self.prompts])
         finished = self._reorder(outcome, max(tree.depth(r) for r in range(len(tree.tokens))) if tree.tokens else 0)
         t = self.timings
         t.passes, t.prompt_passes = t.passes + 1, t.prompt_passes + len(groups)
@@ -187,23 +176,20 @@ class BeamSearchEngine:
         num = torch.tensor(tree.num_nodes, dtype=torch.int64)
         return self.rows.feed_tree(tokens.to(device), parents.to(device), num.to(device))
 
-    def _count(self, prompt: _Prompt, out: Replayed, depth: int, nodes: int) -> None:
-        prompt.passes += 1
-        prompt.levels += out.levels
-        prompt.drafted += nodes
-        prompt.selected += out.selected_nodes
-        prompt.offered += depth
-        prompt.no_draft += depth == 0
-        prompt.histogram[min(out.levels, self.K + 1) - 1] += 1
-        self.timings.levels += out.levels
+    def _count(self, outcome: Sequence[Replayed], depths: Sequence[int], nodes: Sequence[int]) -> None:
+        levels = np.array([out.levels for out in outcome], dtype=np.int64)  # [P]
+        zeros = np.zeros(len(outcome), dtype=np.int64)
+        self.stats.observe(depths, nodes, levels - 1, zeros, zeros.astype(np.float64), branch=zeros)
+        for prompt, out in zip(self.prompts, outcome):
+            prompt.selected += out.selected_nodes
+        self.timings.levels += int(levels.sum())
 
-    def _reorder(self, outcome: Sequence[Replayed], fed_depth: int) -> list[_Prompt]:
+    def _reorder(self, outcome: Sequence[Replayed], fed_depth: int) -> list[tuple[_Prompt, SpecDecodeStats]]:
         """Both caches' rows to the new running beams (each prompt's block of W rows: a beam takes
         the row it descends from when no better beam did, else a row a beam left; `_assign`); the
         blocks of finished prompts are dropped, the last blocks moving into their places."""
         W = self.W
         alive = [not p.group.done for p in self.prompts]
-        finished = [p for p, a in zip(self.prompts, alive) if not a]
         order: list[int] = []
         new_tokens: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
@@ -222,12 +208,13 @@ class BeamSearchEngine:
         self.rows.gather(order)
         self.rows.commit_path(new_tokens, paths, fed_depth)
         self.drafter.reorder(order, new_tokens, paths)
+        finished = [(p, self.stats.row(b)) for b, p in enumerate(self.prompts) if p.group.done]
         self.prompts = [self.prompts[b] for b in kept]
+        self.stats.keep(kept)
         return finished
 
-    def _results(self, prompt: _Prompt) -> list[GenerationResult]:
-        request, stats = prompt.request, prompt.stats(self.K)
-        group = prompt.group
+    def _results(self, prompt: _Prompt, stats: SpecDecodeStats) -> list[GenerationResult]:
+        request, group = prompt.request, prompt.group
         out = []
         for h in group.results():
             reason = "stop" if h.tokens and h.tokens[-1] in group.eos else "length"

@@ -154,3 +154,21 @@ def test_requests_beam_search_cannot_run_are_error_results(target, ragged):
     assert "greedy settings only" in results[0][0].error and results[1][0].error == "empty prompt"
     assert "stop strings" in results[2][0].error
     assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for r in results[3])
+
+
+def test_gather_copies_cache_rows_with_repeats(target, ragged):
+    """Beams reorder by row copies (StaticRunner.gather): a row copied to several slots, one dropped."""
+    from raysd.engine.cache_rows import CacheRows
+    from raysd.models.static_runner import StaticRunner
+
+    def next_logits(rows: CacheRows) -> torch.Tensor:
+        R = rows.runner.num_rows
+        zeros = torch.zeros(R, dtype=torch.int64)
+        return rows.feed(torch.zeros(R, 0, dtype=torch.int64), zeros, zeros + 1, 1)[:, 0]
+
+    moved = CacheRows(StaticRunner(target, checks=True))
+    moved.add_rows(ragged[:3])
+    moved.gather([2, 2, 0])
+    fresh = CacheRows(StaticRunner(target, checks=True))
+    fresh.add_rows([ragged[2], ragged[2], ragged[0]])
+    torch.testing.assert_close(next_logits(moved), next_logits(fresh))
