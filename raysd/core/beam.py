@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 NO_SCORE = -1.0e9  # HF's score of the W - 1 copies of the prompt before the first level
-EARLY_STOPPING = (True, False, "never")
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,7 @@ class BeamConfig:
             raise ValueError(f"beam search needs num_beams >= 2, got {W!r}")
         if isinstance(N, bool) or not isinstance(N, int) or not 1 <= N <= W:
             raise ValueError(f"num_return_sequences must be in 1..num_beams ({W}), got {N!r}")
-        if self.early_stopping not in EARLY_STOPPING or isinstance(self.early_stopping, int) and \
-                not isinstance(self.early_stopping, bool):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if not np.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
@@ -201,7 +199,7 @@ class Walk:
 @dataclass
 class Replayed:
     """One group's outcome of a replay: levels advanced, its new running beams (`walks`, best
-    first; [] once done) and the distinct tree nodes that lay on a selected beam."""
+    first; read only while the group runs on) and the distinct tree nodes that lay on a selected beam."""
 
     levels: int = 0
     walks: list[Walk] = field(default_factory=list)
@@ -232,8 +230,7 @@ def replay(groups: Sequence[BeamGroup], rows: Sequence[Sequence[int]], logits: t
             c = group.num_candidates
             selected = group.advance(values[i, :c], beams[i, :c], tokens[i, :c])
             before = walks[g]
-            walks[g] = [before[j].to(None if before[j].node is None else tree.child(before[j].row, before[j].node, t), t)
-                        for j, t in selected]
+            walks[g] = [before[j].to(tree.child(before[j].row, before[j].node, t), t) for j, t in selected]
             out[g].levels += 1
             out[g].walks = walks[g]
             seen[g].update((w.row, w.node) for w in walks[g] if w.node is not None)
