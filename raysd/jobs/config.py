@@ -234,6 +234,12 @@ class GenerateConfig:
                           self.num_return_sequences)
 
     @property
+    def samples_per_prompt(self) -> int:
+        """Output rows per prompt (sample_index 0..N-1): --num-return-sequences with --beam-width, else
+        --num-samples (a row's `num_samples` column overrides the latter only)."""
+        return self.num_return_sequences if self.beam_width else self.num_samples
+
+    @property
     def beam_lookup_budget(self) -> int:
         """With --beam-width and an ngram or suffix drafter: the nodes of each beam's lookup tree."""
         return self.tree_budget or BEAM_LOOKUP_BUDGET

@@ -33,7 +33,7 @@ def test_beam_flags_parse_into_the_engines_config(monkeypatch):
                      "--early-stopping", "never", "--draft", "ngram")
     assert cfg.beam_config == BeamConfig(4, 0.5, "never", 2)
     assert cfg.effective_num_speculative_tokens == 4 and not cfg.adaptive_speculation  # -k auto: a fixed depth
-    assert cfg.beam_lookup_budget == 8
+    assert cfg.beam_lookup_budget == 8 and cfg.samples_per_prompt == 2 and parse("-n", "3").samples_per_prompt == 3
     fp = cfg.fingerprint()
     assert (fp["beam_width"], fp["num_return_sequences"], fp["length_penalty"], fp["early_stopping"]) == (4, 2, 0.5, "never")
     assert "beam_width" not in parse().fingerprint() and parse().beam_config is None
