@@ -18,8 +18,9 @@ from bench.measure import Counts, figures
 
 @torch.inference_mode()
 def hf_generate(model, prompts: Sequence[dict], batch_size: int, max_new_tokens: int, pad_token_id: int,
-                eos_token_ids: Sequence[int] = (), stop_at_eos: bool = False) -> dict:
-    """One timed run's figures; `_tokens`: each row's tokens (cut after its first EOS when `stop_at_eos`)."""
+                eos_token_ids: Sequence[int] = (), stop_at_eos: bool = False, num_beams: int = 1) -> dict:
+    """One timed run's figures; `_tokens`: each row's tokens (cut after its first EOS when `stop_at_eos`).
+    `num_beams` > 1: HF's beam search (do_sample=False), each prompt's best hypothesis."""
     eos = tuple(eos_token_ids)
     rows: list[list[int]] = []
     start = time.perf_counter()
@@ -30,7 +31,7 @@ def hf_generate(model, prompts: Sequence[dict], batch_size: int, max_new_tokens:
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
         stop = {"eos_token_id": list(eos)} if stop_at_eos and eos else {"min_new_tokens": max_new_tokens}
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=pad_token_id, **stop)
+                             pad_token_id=pad_token_id, num_beams=num_beams, **stop)
         for row in out[:, width:].tolist():
             cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) if stop_at_eos else len(row)
             rows.append(row[:cut])

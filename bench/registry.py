@@ -53,6 +53,8 @@ SCENARIOS = {s.name: s for s in (
              {"drafters": ["ngram", "suffix"], "ks": ["auto"], "batch_sizes": [1, 8, 32], "prompt_set": "repetitive",
               "max_prompts": 200, "max_new_tokens": 64, "stop_at_eos": True, "hf_batch_sizes": [], "repeats": 1},
              {"max_prompts": 6, "batch_sizes": [2], "max_new_tokens": 8}),
+    Scenario("beam", "beam", "speculative beam search (W = 4) against raysd's beam search without a drafter and HF "
+                             "generate(num_beams=4), distilled draft and n-gram lookups"),
     Scenario("pipeline", "pipeline", "`raysd generate` (Ray Data) against the engine, and the actors alone"),
     Scenario("fast_step", "fast_step", "a target whose step takes milliseconds (as on a GPU): engine, actors and "
                                        "`raysd generate`, per-step overhead and fixed cost"),

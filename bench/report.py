@@ -27,8 +27,8 @@ from bench.measure import DEFINITIONS, fmt, paired_ratio
 
 MANIFEST = ROOT / "bench" / "performance.toml"
 PAGE = ROOT / "docs" / "performance.md"
-MAX_LINES = 170
-MAX_PROSE_WORDS = 900  # words outside tables, headings and the generated file lines
+MAX_LINES = 190  # 170 until the beam-search section
+MAX_PROSE_WORDS = 950  # 900 until the beam-search section; words outside tables, headings and the generated file lines
 COLUMNS = (  # (figure, header, digits) of a `python -m bench run` result's table, in this order
     ("tokens_per_s", "tok/s", 1), ("acceptance_rate", "acceptance", 2), ("alpha", "alpha", 2),
     ("mean_acceptance_length", "tokens/pass", 2), ("mean_k_offered", "mean K", 2), ("occupancy", "occupancy", 2),

@@ -84,6 +84,9 @@ class TargetActor:
     def time_drafter(self, batch_sizes, context, reps):
         return in_passing_thread(self.actor.time_drafter, batch_sizes, context, reps)
 
+    def beam_search(self, requests, spec, eos_token_ids):
+        return self.actor.beam_search(requests, spec, eos_token_ids)
+
     def info(self):
         return self.actor.info()
 

@@ -31,6 +31,7 @@ from raysd.actors.proposals import WireProposal, decode_proposal, encode_proposa
 from raysd.actors.turns import Doorbell, Ringer
 from raysd.actors.wire import (
     ActorInfo,
+    BeamSpec,
     DrafterSpec,
     MicroBatchStateLost,
     ModelFactory,
@@ -409,6 +410,7 @@ class TargetWorker:
 
         self.sides = _Sides(make)
         self.planner = _Planner()
+        self._beams = None  # (the beam job's settings, its BeamSearchEngine), made by the first `beam_search`
 
     def group_address(self) -> tuple[str, int]:
         """Where the tensor-parallel group meets (rank 0's node address and a port free there now)."""
@@ -436,6 +438,30 @@ class TargetWorker:
                          gpu=assigned_gpu(), dtype=model_dtype(self.model), node=current_node(),
                          tensor_parallel=self.tensor_parallel, eos_token_ids=eos_token_ids(self.model),
                          doorbell=None if self.doorbell is None else self.doorbell.address, drafter=colocated)
+
+    def beam_search(self, requests: Sequence, spec: BeamSpec, eos_token_ids: tuple[int, ...]) -> list[list]:
+        """A beam job's requests: each one's best `num_return_sequences` hypotheses, best first (raysd.
+        engine.beam.BeamSearchEngine on this worker's target and, colocated, its drafter: a draft
+        model's own beam search, or lookup trees). The engine is made at the first call, kept after."""
+        from raysd.core.beam import BeamConfig
+        from raysd.engine.beam import BeamEngineConfig, BeamSearchEngine
+        from raysd.engine.beam_drafters import DraftBeamSearch, LookupBeams
+
+        key = (spec, eos_token_ids)
+        if self._beams is None or self._beams[0] != key:
+            if spec.drafter == "model":
+                drafter = DraftBeamSearch(self.draft_model, self.vocab_size, eos_token_ids=eos_token_ids)
+            elif spec.drafter in ("ngram", "suffix"):
+                model_free = DrafterSpec(None, model_free=spec.drafter, suffix=self.drafter_spec.suffix)
+                drafter = LookupBeams(build_drafter(model_free, None, self.vocab_size, self.device,
+                                                    suffix_index=self.suffix_index), spec.lookup_budget, spec.k)
+            else:
+                drafter = None
+            config = BeamEngineConfig(BeamConfig(spec.num_beams, spec.length_penalty, spec.early_stopping,
+                                                 spec.num_return_sequences), spec.k, spec.max_batch_size, eos_token_ids)
+            self._beams = (key, BeamSearchEngine(self.model, drafter, config))
+        with torch.inference_mode():
+            return self._beams[1].generate(requests)
 
     def time_drafter(self, batch_sizes: Sequence[int], context: int, reps: int) -> list[float]:
         """A colocated drafter's seconds of one draft forward per batch size (DraftWorker.time_steps)."""

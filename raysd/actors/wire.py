@@ -106,6 +106,22 @@ class DrafterSpec:
 
 
 @dataclass(frozen=True)
+class BeamSpec:
+    """A beam job's search (raysd.core.beam.BeamConfig's fields, as plain values: this module imports
+    no torch) and its drafting: `drafter` "none", "ngram", "suffix" or "model" (the colocated draft
+    model's own beam search), `k` the drafted trees' depth, `lookup_budget` a lookup tree's nodes."""
+
+    num_beams: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    drafter: str = "none"
+    k: int = 4
+    lookup_budget: int = 8
+    max_batch_size: int = 8  # prompts searched together, num_beams target rows each
+
+
+@dataclass(frozen=True)
 class StepCall:
     """What happened to a micro-batch's rows since its last step, applied before the next: the
     last step's verdict (the draft side applies it; the target applied it already) and the rows

@@ -27,6 +27,11 @@ class SpecDecodeStats:
     `num_branch_accepts` counts accepted nodes that were not a rank-0 child: tokens a chain
     would not have drafted (0 for a chain).
 
+    Beam search (raysd.engine.beam) counts in the same terms: a step is a target pass, a draft a
+    tree node, an accepted draft a level beyond the one every pass computes, so that
+    `mean_acceptance_length` is the levels advanced per pass; `num_beam_nodes_selected` counts the
+    nodes that lay on a beam the replay selected (0 outside beam search).
+
     Counted by `BatchStats.observe`, the one place statistics are counted.
     """
 
@@ -41,6 +46,7 @@ class SpecDecodeStats:
     speculation_length_sum: int = 0  # K offered to this row, summed over steps
     num_steps_without_drafts: int = 0  # steps where K was 0 (plain decoding for this row)
     num_branch_accepts: int = 0  # a tree's accepted nodes other than rank-0 children
+    num_beam_nodes_selected: int = 0  # beam search: drafted tree nodes that lay on a selected beam
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -97,6 +103,7 @@ class SpecDecodeStats:
             "mean_nodes_verified": self.mean_nodes_verified,
             "mean_accepted_depth": self.mean_accepted_depth,
             "num_branch_accepts": self.num_branch_accepts,
+            "num_beam_nodes_selected": self.num_beam_nodes_selected,
         }
 
     def state(self) -> dict:

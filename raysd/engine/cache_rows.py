@@ -62,6 +62,14 @@ class CacheRows:
         self.pending = [self.pending[i] for i in rows]
         self.cached = [self.cached[i] for i in rows]
 
+    def gather(self, rows: Sequence[int]) -> None:
+        """Row i becomes a copy of row rows[i], repeats allowed (StaticRunner.gather): beam search
+        reorders its beams so, between `feed_tree` and `commit_path`."""
+        assert not self._spec, "gather rows between steps"
+        self.runner.gather(rows)
+        self.pending = [list(self.pending[i]) for i in rows]
+        self.cached = [self.cached[i] for i in rows]
+
     def feed(self, extra: torch.Tensor, extra_counts: torch.Tensor, num_logits: torch.Tensor,
              max_logits: int | None = None, host_counts: Sequence[int] | None = None) -> torch.Tensor:
         """Feed each row's pending tokens followed by its first extra_counts[b] speculative tokens.

@@ -291,6 +291,10 @@ class NgramDrafter(Drafter):
     def select(self, rows):
         self.history = [self.history[i] for i in rows]
 
+    def gather(self, rows: Sequence[int]) -> None:
+        """Row i becomes a copy of row rows[i], repeats allowed (beam search's reordering)."""
+        self.history = [list(self.history[i]) for i in rows]
+
     def commit(self, new_tokens, num_accepted=None):
         for row, new in zip(self.history, new_tokens):
             row.extend(new)

@@ -37,6 +37,8 @@ class GenerationResult:
     text: str | None = None  # a row ended by a stop string: its decoded output, cut there; else None
     logprobs: list[float] | None = None  # SamplingParams.logprobs: each token's log-probability under the target
     top_logprobs: list[list[tuple[int, float]]] | None = None  # and the top_logprobs most likely (id, logprob)
+    # Beam search (raysd.engine.beam): the hypothesis' score, sum of log-probs / length ** length_penalty
+    beam_score: float | None = None
 
 
 class LossyAcceptanceWarning(UserWarning):

@@ -59,6 +59,11 @@ class _Growing:
         self.data[self.size : need] = values
         self.size = need
 
+    def copy(self) -> "_Growing":
+        twin = _Growing.__new__(_Growing)
+        twin.data, twin.size = self.data.copy(), self.size
+        return twin
+
 
 class SuffixIndex:
     """Every finished sequence (prompt and output) of a replica, shared by its drafters: one flat
@@ -279,6 +284,14 @@ class SuffixDrafter(Drafter):
                 self.index.insert(row.data[1 : row.size])
                 self.index.finished_counts += self.counts[b]
         self.rows = [self.rows[i] for i in rows]
+        self.drafts = [self.drafts[i] for i in rows]
+        self.counts = self.counts[list(rows)]
+
+    def gather(self, rows: Sequence[int]) -> None:
+        """Row i becomes a copy of row rows[i], repeats allowed (beam search's reordering, which
+        keeps the rows it drops out of the index: they are beams, not finished rows)."""
+        self._planned = None
+        self.rows = [self.rows[i].copy() for i in rows]
         self.drafts = [self.drafts[i] for i in rows]
         self.counts = self.counts[list(rows)]
 

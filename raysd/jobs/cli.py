@@ -80,6 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="N independent completions per prompt: N output rows with the prompt's id and sample_index "
                         "0..N-1, each with its own seed (from the job seed, the id and the sample index); the prompt is "
                         "prefilled once for samples admitted together (default: 1)")
+    s.add_argument("--beam-width", type=int, default=0, metavar="W",
+                   help="W >= 2: beam search, token for token the target's own (Hugging Face generate(num_beams=W, "
+                        "do_sample=False)), each target pass advancing as many levels as the drafter's tree lets it "
+                        "(a draft model's own beam search, K levels deep; ngram or suffix lookups); greedy settings "
+                        "only; docs/beam_search.md (default: 0, off)")
+    s.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                   help="with --beam-width: the N <= W best hypotheses, N rows with sample_index 0..N-1 and beam_score "
+                        "(default: 1)")
+    s.add_argument("--length-penalty", type=float, default=1.0,
+                   help="with --beam-width: a finished hypothesis scores its log-probability / length ** this (default: 1.0)")
+    s.add_argument("--early-stopping", default="false", choices=("true", "false", "never"),
+                   help="with --beam-width, as Hugging Face's: true stops once W hypotheses finished, false when the "
+                        "best running beam cannot beat them at its current length, never at the longest (default: false)")
     s.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="stop string, repeatable: a row ends at the first occurrence in its decoded text (finish_reason "
                         "stop), the text cut before it; no token after it is generated (default: none)")

@@ -34,6 +34,12 @@ AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
 DEFAULT_MAX_NEW_TOKENS = 64
+# Beam search (--beam-width): HF's early_stopping values as the flag takes them, K under -k auto (beam
+# search has no adaptive K: a fixed tree depth), and the tree of an ngram or suffix drafter without
+# --tree-budget.
+EARLY_STOPPING_CHOICES = {"true": True, "false": False, "never": "never"}
+BEAM_AUTO_K = 4
+BEAM_LOOKUP_BUDGET = 8
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
 
 
@@ -72,6 +78,12 @@ class GenerateConfig:
     # N independent completions per prompt (a per-row `num_samples` column overrides): output rows
     # (id, sample_index 0..N-1), each with its own seed (raysd.jobs.replica.sample_seed).
     num_samples: int = 1
+    # Beam search (docs/beam_search.md): W >= 2 beams per prompt, token for token the target's own beam
+    # search (HF generate(num_beams=W, do_sample=False)), in fewer target passes with a drafter; 0: off.
+    beam_width: int = 0
+    num_return_sequences: int = 1  # with --beam-width: the best N <= W hypotheses, rows sample_index 0..N-1
+    length_penalty: float = 1.0  # a finished hypothesis scores sum of log-probs / length ** length_penalty
+    early_stopping: str = "false"  # "true", "false" or "never", as HF's early_stopping
     # Stop strings (a per-row `stop` column adds its own): a row ends at the first occurrence in its
     # decoded text, finish_reason "stop", the text cut before it unless include_stop_str_in_output.
     stop: tuple[str, ...] = ()
@@ -163,6 +175,7 @@ class GenerateConfig:
         need(self.logprobs_mode in LOGPROBS_MODES,
              f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         need(self.logprobs or self.logprobs_mode == "raw", "--logprobs-mode processed needs --logprobs or --top-logprobs")
+        self._check_beams(need)
         need(not (self.quiet and self.verbose), "--quiet and --verbose exclude each other")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
@@ -193,6 +206,56 @@ class GenerateConfig:
         need(self.placement_timeout_s > 0, f"--placement-timeout must be > 0 seconds, got {self.placement_timeout_s}")
         need(self.step_timeout_s is None or self.step_timeout_s > 0,
              f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
+
+    def _check_beams(self, need) -> None:
+        """--beam-width and what goes with it: greedy settings only, one line per conflict."""
+        W, N = self.beam_width, self.num_return_sequences
+        need(_is_int(W) and (W == 0 or W >= 2), f"--beam-width must be an integer >= 2 (0: off), got {W!r}")
+        need(_is_int(N) and 1 <= N <= max(W, 1),
+             f"--num-return-sequences must be in 1..--beam-width ({W})" if W else "--num-return-sequences needs --beam-width")
+        need(self.early_stopping in EARLY_STOPPING_CHOICES,
+             f"--early-stopping must be one of {', '.join(EARLY_STOPPING_CHOICES)}, got {self.early_stopping!r}")
+        need(self.length_penalty == self.length_penalty and abs(self.length_penalty) != float("inf"),
+             f"--length-penalty must be finite, got {self.length_penalty}")
+        if not W:
+            need(self.length_penalty == 1.0 and self.early_stopping == "false",
+                 "--length-penalty and --early-stopping need --beam-width")
+            return
+        need(self.temperature == 0, f"--beam-width is deterministic beam search: it needs --temperature 0, got {self.temperature}")
+        need(self.top_p == 1.0 and self.top_k == 0, "--beam-width takes no --top-p or --top-k (greedy settings only)")
+        need(self.num_samples == 1, "--beam-width returns the best beams: use --num-return-sequences, not --num-samples")
+        need(not self.stop, "--beam-width does not take --stop strings (EOS and stop token ids only)")
+        need(not self.logprobs, "--beam-width does not return --logprobs (each row has its beam_score)")
+        need(self.acceptance == "exact", f"--beam-width verifies exactly: use --acceptance exact, not {self.acceptance}")
+        need(self.draft_assist == "none", "--beam-width does not take --draft-assist")
+        need(draft_kind(self.draft) != "eagle", f"--beam-width does not take an EAGLE feature draft ({self.draft})")
+        need(not self.tree_budget or not self.draft_is_model,
+             "--beam-width with a draft model drafts the draft's own beam search: use --tree-budget 0")
+        need(self.target_tensor_parallel == 1 and not self.cuda_graphs,
+             "--beam-width runs the target in one process: no --target-tensor-parallel or --cuda-graphs")
+        need(self.shape == "colocated", "--beam-width searches in one process, the target's actor with its drafter: "
+                                        "use --replica-shape colocated (and at most 1 GPU per replica)")
+
+    @property
+    def beam_config(self):
+        """The job's raysd.core.beam.BeamConfig (None without --beam-width); imported here only, as it needs torch."""
+        if not self.beam_width:
+            return None
+        from raysd.core.beam import BeamConfig
+
+        return BeamConfig(self.beam_width, self.length_penalty, EARLY_STOPPING_CHOICES[self.early_stopping],
+                          self.num_return_sequences)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Output rows per prompt (sample_index 0..N-1): --num-return-sequences with --beam-width, else
+        --num-samples (a row's `num_samples` column overrides the latter only)."""
+        return self.num_return_sequences if self.beam_width else self.num_samples
+
+    @property
+    def beam_lookup_budget(self) -> int:
+        """With --beam-width and an ngram or suffix drafter: the nodes of each beam's lookup tree."""
+        return self.tree_budget or BEAM_LOOKUP_BUDGET
 
     def _speculation(self) -> SpeculationConfig:
         """The job's SpeculationConfig; its one-line errors name the flags."""
@@ -254,14 +317,16 @@ class GenerateConfig:
 
     @property
     def adaptive_speculation(self) -> bool:
-        return self.num_speculative_tokens == AUTO and self.draft != NO_DRAFT
+        return self.num_speculative_tokens == AUTO and self.draft != NO_DRAFT and not self.beam_width
 
     @property
     def effective_num_speculative_tokens(self) -> int:
         """K as run (the largest K under 'auto'): plain decoding drafts nothing."""
         if self.draft == NO_DRAFT:
             return 0
-        return AUTO_MAX_K if self.num_speculative_tokens == AUTO else self.num_speculative_tokens
+        if self.num_speculative_tokens == AUTO:
+            return BEAM_AUTO_K if self.beam_width else AUTO_MAX_K
+        return self.num_speculative_tokens
 
     def fingerprint(self) -> dict:
         """What must match for a re-run to resume into the same output (everything that changes a row)."""
@@ -286,6 +351,9 @@ class GenerateConfig:
             fingerprint["tree_budget"] = self.tree_budget
         if self.draft_assist != "none":  # and for two levels (the assist changes the seeded samples)
             fingerprint["draft_assist"] = self.draft_assist
+        if self.beam_width:  # beam rows are other rows
+            fingerprint.update(beam_width=self.beam_width, num_return_sequences=self.num_return_sequences,
+                               length_penalty=self.length_penalty, early_stopping=self.early_stopping)
         return fingerprint
 
     def to_dict(self) -> dict:

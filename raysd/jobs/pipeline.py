@@ -722,7 +722,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done, stats=No
     ds = ds.map_batches(
         AssignIds,
         fn_constructor_args=(cfg.id_column, make_ids, done, internal_schema(source.schema, cfg.id_column), stats,
-                             job_key, cfg.num_samples, source.json_columns, later_pass),
+                             job_key, cfg.samples_per_prompt, source.json_columns, later_pass),
         batch_format="pyarrow",
         batch_size=None,  # whole blocks: each one's position is where the previous one ended
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
@@ -747,7 +747,7 @@ def build_dataset(source, cfg: GenerateConfig, schema: pa.Schema, done, stats=No
                                   enable_true_multi_threading=True),
         num_cpus=0,  # the model actors (in the coordinator's placement group) hold the CPUs/GPUs
         # A row in, a row out, unless a row may ask for several samples.
-        udf_modifying_row_count=cfg.num_samples > 1 or "num_samples" in source.schema.names,
+        udf_modifying_row_count=cfg.samples_per_prompt > 1 or "num_samples" in source.schema.names,
         **GENERATION_STAGE_OPTIONS,
     )
     return ds

@@ -22,7 +22,7 @@ from raysd.engine.verdict import LoopStats
 from raysd.jobs.config import GenerateConfig
 from raysd.jobs.metrics import ReplicaMetrics
 from raysd.jobs.schema import num_samples_of
-from raysd.models.names import SUFFIX
+from raysd.models.names import NGRAM, NO_DRAFT, SUFFIX
 
 if TYPE_CHECKING:  # a replica's process imports no torch (tests/jobs/test_light_imports.py)
     from raysd.actors.launch import ModelActors
@@ -323,6 +323,11 @@ class _LiveCounts:
         if rows:
             self._add(rows, 0, 0, 0)
 
+    def add_rows(self, outputs: list[dict]) -> None:
+        """Output rows made at once (a beam job's hypotheses)."""
+        for out in outputs:
+            self._add(1, out["num_generated_tokens"], out["num_draft_tokens"], out["num_accepted_draft_tokens"])
+
     def _add(self, rows: int, tokens: int, drafted: int, accepted: int) -> None:
         with self._lock:
             c = self._counts
@@ -452,10 +457,13 @@ class GenerationReplica:
         run (bad prompt, bad override) gives an error row per sample (one, sample 0, for a bad
         `num_samples`).
         Thread-safe: concurrent calls feed the same stream, so their rows share the micro-batches.
+        A beam job's rows take `_generate_beams` instead.
         """
         from raysd.engine.requests import Request
 
         cfg = self.cfg
+        if cfg.beam_width:
+            return self._generate_beams(rows)
         outputs: list[list[dict]] = [[] for _ in rows]
         pending = []  # (row, sample index, seed, future)
         tokenize_s = 0.0
@@ -496,6 +504,56 @@ class GenerationReplica:
         report = self._report()
         report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s
         return outputs, report, self._draft_sources_delta()
+
+    def _generate_beams(self, rows: list[dict]) -> tuple[list[list[dict]], LoopStats, dict[str, int]]:
+        """A beam job's block (as `generate`): each prompt's best --num-return-sequences hypotheses,
+        one output row each (sample_index 0 the best, its `beam_score` beside), searched by the
+        target's actor in one call (TargetWorker.beam_search, which batches the block's prompts
+        itself), waited for as long as Ray says that actor lives. A request the search refuses is
+        one error row, sample 0."""
+        from raysd.actors.liveness import answer
+        from raysd.actors.wire import BeamSpec
+        from raysd.engine.requests import Request
+
+        cfg = self.cfg
+        outputs: list[list[dict]] = [[] for _ in rows]
+        requests, wanted = [], []  # (row index, sample indices, seed) per request
+        tokenize_s = 0.0
+        for i, row in enumerate(rows):
+            params, seed, error = row_params(row, cfg)
+            samples = [j for j in range(cfg.samples_per_prompt) if j not in set(row.get("done_samples") or ())]
+            ids = None
+            if error is None and samples:
+                t = time.perf_counter()
+                with self._tokenizer_lock:
+                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
+                tokenize_s += time.perf_counter() - t
+            if error is not None:
+                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0, j) for j in samples]
+                self.live.add_errors(len(samples))
+                continue
+            if samples:
+                requests.append(Request(i, ids, params))
+                wanted.append((i, samples, seed))
+        spec = BeamSpec(cfg.beam_width, cfg.length_penalty, cfg.beam_config.early_stopping, cfg.num_return_sequences,
+                        "none" if cfg.draft == NO_DRAFT else cfg.draft if cfg.draft in (NGRAM, SUFFIX) else "model",
+                        self.K, cfg.beam_lookup_budget, cfg.batch_size)
+        target = self.coordinator.target
+        start = time.perf_counter()
+        searched = answer(lambda: target.beam_search.remote(requests, spec, cfg.eos_token_ids), target, "target") if requests else []
+        latency = time.perf_counter() - start
+        detokenize_s = 0.0
+        for (i, samples, seed), hypotheses in zip(wanted, searched):
+            t = time.perf_counter()
+            for j in samples if hypotheses[0].finish_reason != "error" else [0]:
+                h = hypotheses[j]
+                outputs[i].append(self._row(h.prompt_token_ids, h.token_ids, h.finish_reason, h.stats, h.error, seed,
+                                            latency, j, h))
+            detokenize_s += time.perf_counter() - t
+            self.live.add_rows(outputs[i])
+        report = self._report()
+        report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s
+        return outputs, report, {}
 
     def _report(self) -> LoopStats:
         """What the stream measured since the last call took it (and, in the first report, the
@@ -561,4 +619,5 @@ class GenerationReplica:
             "tree_budget": self.cfg.tree_budget,
             "seed": seed,
             "latency_s": latency if finish_reason != "error" else 0.0,
+            "beam_score": None if result is None else result.beam_score,
         }

@@ -34,14 +34,21 @@ _PROGRESS_EVERY_S = 10.0  # a progress line when stderr is not a terminal (a log
 _TTY_EVERY_S = 1.0  # the progress line rewritten on a terminal
 
 
-def pooled(totals: dict, tree_budget: int) -> dict:
+def pooled(totals: dict, tree_budget: int, beam_width: int = 0) -> dict:
     """Acceptance statistics pooled over rows, from `raysd.jobs.schema.row_totals` counts: the
     acceptance rate (accepted / drafted), the mean acceptance length (1 + accepted / steps) and,
-    for a tree job (--tree-budget P > 0), the tree statistics named as their Parquet columns."""
+    for a tree job (--tree-budget P > 0), the tree statistics named as their Parquet columns. A
+    beam job (--beam-width W) counts in the same terms (SpecDecodeStats): its mean acceptance length
+    is the levels per target pass, and `beam_node_selection_rate` the drafted nodes that lay on a
+    selected beam / drafted nodes (each of a prompt's rows carries its search's counts: the ratios
+    weigh every prompt alike)."""
     drafted, accepted, steps = totals["drafted"], totals["accepted"], totals["steps"]
     out = {"draft_acceptance_rate": accepted / drafted if drafted else None,
            "mean_acceptance_length": 1 + accepted / steps if steps else None,
-           "mean_nodes_verified": None, "mean_accepted_depth": None, "num_branch_accepts": None}
+           "mean_nodes_verified": None, "mean_accepted_depth": None, "num_branch_accepts": None,
+           "beam_node_selection_rate": None}
+    if beam_width and drafted:
+        out["beam_node_selection_rate"] = totals.get("beam_nodes_selected", 0) / drafted
     if tree_budget:
         out.update(mean_nodes_verified=drafted / steps if steps else None,
                    mean_accepted_depth=accepted / steps if steps else None,
@@ -66,6 +73,8 @@ class RunSummary:
     mean_nodes_verified: float | None = None  # drafted / steps: tree nodes the target verified per step
     mean_accepted_depth: float | None = None  # accepted / steps: depth of the accepted path per step
     num_branch_accepts: int | None = None  # accepted nodes that were not a rank-0 child, summed
+    # Beam jobs (--beam-width W): drafted tree nodes on a selected beam / drafted nodes; null otherwise.
+    beam_node_selection_rate: float | None = None
     replicas: int = 1
     occupancy: float | None = None  # mean rows in the replicas' micro-batches per step / their slots
     # "wall": the run's wall time as consecutive phases on the driver's clock, which add up to
@@ -105,6 +114,7 @@ class JobSummary:
     mean_nodes_verified: float | None = None  # tree jobs, pooled over the output's rows (see RunSummary)
     mean_accepted_depth: float | None = None
     num_branch_accepts: int | None = None
+    beam_node_selection_rate: float | None = None  # beam jobs (see RunSummary)
     tree_budget: int = 0  # P (0: a chain)
     target_model: str = ""
     draft_model: str = ""
@@ -159,6 +169,9 @@ def check_job(cfg: GenerateConfig) -> CheckedJob:
     names = source.schema.names
     if cfg.prompt_column not in names:
         raise JobError(f"input has no column {cfg.prompt_column!r} (columns: {', '.join(names)}); set --prompt-column")
+    if cfg.beam_width and "num_samples" in names:
+        raise JobError("--beam-width returns --num-return-sequences rows per prompt: the input's num_samples column "
+                       "does not apply to beam search; drop or rename it")
     clashes = reserved_clashes(source.schema)
     if clashes:
         raise JobError(f"input columns {clashes} clash with output columns; rename them")
@@ -633,7 +646,7 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         wall_s=wall,
         tokens_per_s=totals["tokens"] / wall if wall > 0 else 0.0,
         overlap_efficiency=overlap,
-        **pooled(totals, cfg.tree_budget),
+        **pooled(totals, cfg.tree_budget, cfg.beam_width),
         replicas=cfg.replicas,
         occupancy=breakdown["occupancy"],
         time_breakdown={"wall": dict(clock.phases), **breakdown},
@@ -650,7 +663,7 @@ def _summary(cfg: GenerateConfig, store: OutputStore, totals: dict, live: dict, 
         rows_failed=disk["failed"],
         generated_tokens=disk["tokens"],
         latest_run=run,
-        **pooled(disk, cfg.tree_budget),
+        **pooled(disk, cfg.tree_budget, cfg.beam_width),
         tree_budget=cfg.tree_budget,
         target_model=cfg.target,
         draft_model=cfg.draft,

@@ -40,6 +40,10 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("mean_nodes_verified", pa.float64()),  # draft nodes the target verified per step (a chain: drafts)
     pa.field("mean_accepted_depth", pa.float64()),  # depth of the accepted path per step (a chain: drafts accepted)
     pa.field("num_branch_accepts", pa.int32(), nullable=False),  # accepted tree nodes other than the draft's sample (0: chain)
+    # --beam-width W: drafted tree nodes that lay on a beam the target's beam search selected (0 otherwise),
+    # and the row's hypothesis score, sum of log-probs / length ** length_penalty (null without beams).
+    pa.field("num_beam_nodes_selected", pa.int32(), nullable=False),
+    pa.field("beam_score", pa.float64()),
     # Provenance.
     pa.field("target_model", pa.string(), nullable=False),
     pa.field("draft_model", pa.string(), nullable=False),  # a model, "ngram" or "none"
@@ -94,7 +98,8 @@ def reserved_clashes(input_schema: pa.Schema) -> list[str]:
 
 # The summary's counts and the output columns they add up (`row_totals`).
 SUMMED_COLUMNS = {"tokens": "num_generated_tokens", "drafted": "num_draft_tokens", "accepted": "num_accepted_draft_tokens",
-                  "steps": "num_spec_steps", "branch_accepts": "num_branch_accepts"}
+                  "steps": "num_spec_steps", "branch_accepts": "num_branch_accepts",
+                  "beam_nodes_selected": "num_beam_nodes_selected"}
 TOTALS_COLUMNS = ("finish_reason", *SUMMED_COLUMNS.values())
 
 

@@ -340,8 +340,17 @@ class StaticRunner:
     def select(self, rows: Sequence[int]) -> None:
         """Keep the given rows, in the given order: row i moves to slot i. Only the rows whose
         slot changes are copied (a caller that fills holes with the last rows moves few)."""
+        assert len(set(rows)) == len(rows), "select keeps distinct rows (gather copies)"
+        self.gather(rows)
+
+    @torch.inference_mode()
+    def gather(self, rows: Sequence[int]) -> None:
+        """Row i becomes a copy of row rows[i] (a row may be copied to several slots, as beam
+        search's reordering does); the slots past len(rows) are dropped. Every source is read
+        before any slot is written, and only the slots whose source is another row are copied,
+        with the columns of a tree fed since (`forward_tree`), which `keep_path` then keeps."""
         rows = [int(r) for r in rows]
-        assert len(set(rows)) == len(rows) and all(0 <= r < self.num_rows for r in rows)
+        assert all(0 <= r < self.num_rows for r in rows)
         moved = [(i, r) for i, r in enumerate(rows) if i != r]
         if moved:
             self._copy_rows(torch.tensor([r for _, r in moved], device=self.device),

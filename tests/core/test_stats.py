@@ -91,7 +91,7 @@ def test_to_dict_and_state_round_trip():
         "draft_acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "acceptance_histogram": [0, 1, 0],
         "accepted_per_position": [1, 0], "alpha_estimate": 0.625,
         "mean_speculation_length": 2.0, "num_steps_without_drafts": 0,
-        "mean_nodes_verified": 2.0, "mean_accepted_depth": 1.0, "num_branch_accepts": 0,
+        "mean_nodes_verified": 2.0, "mean_accepted_depth": 1.0, "num_branch_accepts": 0, "num_beam_nodes_selected": 0,
     }
     d["acceptance_histogram"].append(99)  # a copy, not the live list
     assert s.acceptance_histogram == [0, 1, 0]

@@ -41,7 +41,7 @@ def test_the_summary_pools_the_tree_statistics_and_is_null_for_a_chain():
     totals = {"rows": 3, "failed": 0, "tokens": 40, "drafted": 70, "accepted": 20, "steps": 10, "branch_accepts": 4}
     tree = pooled(totals, tree_budget=8)
     assert tree == {"draft_acceptance_rate": 20 / 70, "mean_acceptance_length": 3.0, "mean_nodes_verified": 7.0,
-                    "mean_accepted_depth": 2.0, "num_branch_accepts": 4}
+                    "mean_accepted_depth": 2.0, "num_branch_accepts": 4, "beam_node_selection_rate": None}
     chain = pooled(totals, tree_budget=0)
     assert [chain[k] for k in ("mean_nodes_verified", "mean_accepted_depth", "num_branch_accepts")] == [None, None, None]
 
