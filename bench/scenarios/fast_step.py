@@ -139,7 +139,7 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     from raysd.models.loading import ModelSpec, load_model
 
     cfg = job_config(target_dir, draft, k, batch, a.max_new_tokens, a.device, a.cuda_graphs)
-    torch.set_num_threads(int(cfg.actor_cpus[0]))  # what the job's target actor gets
+    torch.set_num_threads(cfg.target_threads)  # what the job's target actor gets
     start = time.perf_counter()
     spec = ModelSpec(target_dir, cfg.target_dtype, device=a.device).resolved()  # the job's dtype on this device
     target = load_model(spec)

@@ -81,7 +81,7 @@ def engine_run(prompts, drafter, k, batch, a) -> dict:
     from raysd.jobs.config import AUTO_MAX_K
     from raysd.models.loading import ModelSpec, eos_token_ids, load_model
 
-    torch.set_num_threads(int(job_config(drafter, k, batch, a.max_new_tokens).actor_cpus[0]))
+    torch.set_num_threads(job_config(drafter, k, batch, a.max_new_tokens).target_threads)  # the job's target actor's
     start = time.perf_counter()
     models = Models(target=load_model(ModelSpec()), with_tokenizer=False)
     adaptive, K = None, k

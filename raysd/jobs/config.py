@@ -293,6 +293,13 @@ class GenerateConfig:
         return cpus, (cpus if self.draft_is_model else MODEL_FREE_DRAFT_CPUS)
 
     @property
+    def target_threads(self) -> int:
+        """torch threads of the actor that runs the target: the CPUs it asks for (Ray sets
+        OMP_NUM_THREADS from them), both models' in a colocated replica with a draft model."""
+        target, draft = self.actor_cpus
+        return max(1, int(target + draft if self.shape == "colocated" and self.draft_is_model else target))
+
+    @property
     def replica_cpus(self) -> float:
         """CPUs one replica's actors ask for: each target rank's and the draft's."""
         target, draft = self.actor_cpus
