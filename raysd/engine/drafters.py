@@ -19,6 +19,7 @@ from raysd.core.device import host_to_device
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
 from raysd.engine.cache_rows import CacheRows
+from raysd.models.cuda_graphs import GraphCounts
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import max_model_len, output_vocab_size
@@ -521,6 +522,14 @@ class FeatureDrafter(Drafter):
             fed = [c + k for c, k in zip(self.cached, counts)]
             self.runner.rollback(torch.tensor(fed, dtype=torch.int64, device=self.device), max(fed))
         return torch.cat(logits), torch.cat(hidden)
+
+
+def runner_counts(drafter: Drafter) -> GraphCounts:
+    """A copy of a drafter's model's forwards so far (raysd.models.cuda_graphs.GraphCounts): its
+    static runner's, or zeros (a model-free drafter, the dynamic runner)."""
+    rows = getattr(drafter, "rows", None)
+    runner = rows.runner if isinstance(rows, CacheRows) else getattr(drafter, "runner", None)
+    return runner.counts.copy() if isinstance(runner, StaticRunner) else GraphCounts()
 
 
 def _widen(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

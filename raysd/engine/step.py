@@ -26,10 +26,11 @@ from raysd.core.sampling import SamplingTensors
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import PlainRun
 from raysd.engine.batch import Batch
-from raysd.engine.drafters import Drafter, Proposal
+from raysd.engine.drafters import Drafter, Proposal, runner_counts
 from raysd.engine.requests import Request
 from raysd.engine.target import TargetSide
 from raysd.engine.verdict import Plan, StepTimings, Verdict
+from raysd.models.cuda_graphs import GraphCounts
 
 if TYPE_CHECKING:
     from raysd.engine.adaptive import KController
@@ -96,6 +97,7 @@ def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, ho
     5. retire: rows that finished leave both sides (`commit`), their results in the verdict.
     """
     plan = hook.plan(draft)  # K and the tree of this step
+    counts = draft.graph_counts(), target.graph_counts()
     prefilled, start = draft.prefill_s, time.perf_counter()
     proposal = draft.propose(plan)  # 1
     proposed = time.perf_counter()
@@ -104,6 +106,8 @@ def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, ho
     draft.commit(verdict)  # ...and on the draft, to the same tokens and rows
     prefill_s = draft.prefill_s - prefilled
     hook.observe(verdict, proposed - start - prefill_s, time.perf_counter() - proposed, prefill_s)
+    hook.timings.add_counts(draft.graph_counts().minus(counts[0]))
+    hook.timings.add_counts(target.graph_counts().minus(counts[1]))
     return verdict
 
 
@@ -140,6 +144,10 @@ class DraftSide:
             self.cold += [None] * len(prompts)
         self.batch.add(items)
         self._sampling = None
+
+    def graph_counts(self) -> GraphCounts:
+        """The drafter's model's forwards so far (zeros for a model-free drafter)."""
+        return runner_counts(self.drafter)
 
     @property
     def num_cold(self) -> int:
@@ -225,6 +233,9 @@ class ReceivedProposal:
 
     def confidence(self) -> None:
         return None  # the plan was made where the drafter lives (the draft actor)
+
+    def graph_counts(self) -> GraphCounts:
+        return GraphCounts()  # counted where the drafter lives
 
     def propose(self, plan: Plan) -> Proposal:
         return self.proposal

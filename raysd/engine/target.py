@@ -21,6 +21,7 @@ from raysd.engine.cache_rows import CacheRows
 from raysd.engine.drafters import Proposal
 from raysd.engine.requests import Request
 from raysd.engine.verdict import Plan, Verdict
+from raysd.models.cuda_graphs import GraphCounts
 from raysd.models.features import FeatureTap
 from raysd.models.runner import make_runner
 from raysd.models.static_runner import StaticRunner
@@ -60,6 +61,11 @@ class TargetSide:
     @property
     def device(self) -> torch.device:
         return self.rows.device
+
+    def graph_counts(self) -> GraphCounts:
+        """A copy of the target's forwards so far (raysd.models.cuda_graphs; zeros on the dynamic runner)."""
+        runner = self.rows.runner
+        return runner.counts.copy() if isinstance(runner, StaticRunner) else GraphCounts()
 
     @property
     def supports_trees(self) -> bool:
