@@ -8,6 +8,7 @@ makes the output exact for any drafter.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -18,7 +19,7 @@ import torch
 from raysd.core.device import host_to_device
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
-from raysd.engine.cache_rows import CacheRows
+from raysd.engine.cache_rows import CacheRows, right_align
 from raysd.models.cuda_graphs import GraphCounts
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
@@ -28,6 +29,8 @@ from raysd.models.static_runner import StaticRunner, prefill_groups
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
+
+PENDING = 2  # a draft program's pending tokens per row: one, or two after a step that accepted every draft
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,10 @@ class DraftModelDrafter(Drafter):
         self.supports_trees = isinstance(self.rows.runner, StaticRunner)
         self.max_model_len = max_model_len(model)
         self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)
+        # On the static runner: the K a step drafts is rounded up to one of these (the K whose programs
+        # were captured: `raysd.engine.graphs`); drafts past a row's max_drafts are never verified.
+        self.draft_widths: tuple[int, ...] = ()
+        self._probs: torch.Tensor | None = None  # [slots, K, V] where the draft program writes draft_probs
 
     def add_rows(self, prompts):
         self.rows.add_rows(prompts)
@@ -166,6 +173,8 @@ class DraftModelDrafter(Drafter):
         K = max(max_drafts, default=0)
         if K == 0:
             return Proposal.empty(B, self.target_vocab_size, device)
+        if isinstance(self.rows.runner, StaticRunner):
+            return self._propose_program(max_drafts, sampling, uniforms)
         ones = torch.ones(B, dtype=torch.int64, device=device)
         host_ones = (1,) * B
         logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
@@ -180,6 +189,63 @@ class DraftModelDrafter(Drafter):
         num = host_to_device(list(max_drafts), torch.int64, device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts),
                         one_hot=sampling.all_greedy)
+
+    def _propose_program(self, max_drafts: Sequence[int], sampling: SamplingTensors, uniforms: torch.Tensor) -> Proposal:
+        """`propose` on the static runner: the K draft forwards and their sampling as one program
+        (`draft_program`), replayed from one CUDA graph when the runner has graphs, with no host
+        read between the drafts. K is the largest max_drafts rounded up to a captured width
+        (`draft_widths`). A row's pending tokens but its last two (plain steps leave more) are fed
+        first (CacheRows.catch_up), so the program always starts from a chunk of two."""
+        B, device = len(max_drafts), self.rows.device
+        K = self.width(max(max_drafts))
+        self.rows.catch_up(keep=PENDING)
+        inputs = self.draft_inputs(K, sampling, uniforms)
+        program = ("draft", K, *flags_of(sampling), self.draft_top_m, self._probs.data_ptr())
+        tokens, probs = self.rows.runner.run(program, functools.partial(self.draft_program, K, flags_of(sampling)), inputs,
+                                             PENDING + K - 1)
+        host = (K - 1,) * B
+        self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
+        num = host_to_device(list(max_drafts), torch.int64, device)
+        return Proposal(tokens, num, probs, tuple(int(k) for k in max_drafts), one_hot=sampling.all_greedy)
+
+    def width(self, k: int) -> int:
+        """The drafts a step of at most `k` per row makes: `k` rounded up to a captured width."""
+        return min((w for w in self.draft_widths if w >= k), default=k)
+
+    def draft_inputs(self, K: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The draft program's inputs for the rows' pending tokens (at most PENDING each): pending
+        tokens [B, PENDING] and their count [B], draws [B, K], the rows' temperature, top-k, top-p."""
+        pending, count = self.rows.pending_inputs(PENDING)
+        B, V = pending.shape[0], self.target_vocab_size
+        slots = max(B, self.rows.runner.cache.capacity[0])
+        if self._probs is None or self._probs.shape[0] < slots or self._probs.shape[1] < K:  # grows rarely: graphs key on it
+            size = (slots, max(K, 0 if self._probs is None else self._probs.shape[1]), V)
+            self._probs = torch.zeros(size, dtype=torch.float32, device=self.rows.device)
+        return pending, count, uniforms[:, :K].double(), sampling.temperature, sampling.top_k, sampling.top_p
+
+    def draft_program(self, K: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
+                      top_p) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
+        one forward over each row's pending tokens, then K times: the draft's distribution (the rows'
+        temperature, top-k, top-p: `flags` says which apply), a draw from it, and (but after the
+        last) a forward over the draw. A padding row (count 0) feeds nothing. Returns [R, K] drafts and
+        [R, K, V] draft_probs (a view of `_probs`, overwritten by the next program)."""
+        runner, R = self.rows.runner, pending.shape[0]
+        sampling = SamplingTensors(temperature, top_k, top_p, *flags)
+        chunk, valid = right_align(pending, count, pending[:, :0], count * 0)  # [R, PENDING]
+        live = valid[:, -1:]  # [R, 1] a real row's last pending token
+        ones = torch.ones(R, dtype=torch.int64, device=pending.device)
+        logits = runner.step_slots(attend, chunk, valid, ones, 1, keep=1)[0][:, 0]  # [R, V']
+        tokens = []
+        probs = self._probs[:R, :K]  # [R, K, V]
+        for i in range(K):
+            p = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
+            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
+            probs[:, i] = p
+            tokens.append(t)
+            if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
+                logits = runner.step_slots(attend, t[:, None], live, ones, 1)[0][:, 0]
+        return torch.stack(tokens, dim=1), probs
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
         """After a tree: the tokens each row emitted and the tree nodes its accepted path went through."""
@@ -522,6 +588,11 @@ class FeatureDrafter(Drafter):
             fed = [c + k for c, k in zip(self.cached, counts)]
             self.runner.rollback(torch.tensor(fed, dtype=torch.int64, device=self.device), max(fed))
         return torch.cat(logits), torch.cat(hidden)
+
+
+def flags_of(sampling: SamplingTensors) -> tuple[bool, bool, bool, bool]:
+    """The host flags a program's sampling is built with (SamplingTensors' field order)."""
+    return sampling.any_greedy, sampling.any_top_k, sampling.any_top_p, sampling.all_greedy
 
 
 def runner_counts(drafter: Drafter) -> GraphCounts:

@@ -201,6 +201,7 @@ class StaticRunner:
         logits, = self.run(("forward", T, n), functools.partial(self.step_slots, n=n), (chunks, chunk_valid, num_logits), T)
         return logits.clone() if self.counts.replays > replays else logits  # a graph's output is overwritten by its next replay
 
+    @torch.inference_mode()
     def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int) -> tuple:
         """`fn(attend, *inputs)`, a program over the slots 0 .. B - 1 (B = the inputs' rows = the
         runner's rows; raysd.models.cuda_graphs) that adds at most `advance` tokens to any row: replayed
@@ -216,15 +217,29 @@ class StaticRunner:
         self._bound += advance
         return outputs
 
+    def feed_only(self, chunks: torch.Tensor, chunk_valid: torch.Tensor) -> None:
+        """Append each row's valid chunk tokens (right-aligned, up to SMALL_CHUNK per row) to its
+        cache, with no logits kept: a program (`run`), replayed from a graph when the runner has them."""
+        assert chunks.shape[1] <= SMALL_CHUNK
+        ones = torch.ones(chunks.shape[0], dtype=torch.int64, device=self.device)
+        self.run(("feed", chunks.shape[1]), self._feed_slots, (chunks, chunk_valid, ones), chunks.shape[1])
+
+    def _feed_slots(self, attend: int, chunks, chunk_valid, ones) -> tuple:
+        self.step_slots(attend, chunks, chunk_valid, ones, 1, keep=1)
+        return ()
+
     def step_slots(self, attend: int, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
-                   n: int) -> tuple[torch.Tensor]:
+                   n: int, keep: int | None = None) -> tuple[torch.Tensor]:
         """One forward over the slots 0 .. R - 1 (R = the chunks' rows), device tensors only: the
         chunk's tokens written after each slot's length, which grows by its valid tokens. Returns
-        ([R, n, V] logits,) as `forward`. The program of a forward, and a part of larger programs."""
+        ([R, n, V] logits,) as `forward`; `keep` (>= n): positions the model computes logits at, the
+        chunk's last (all of a small chunk by default; 1 when every row wants only its last).
+        The program of a forward, and a part of larger programs."""
         rows = slice(0, chunks.shape[0])
         lengths = self._lengths[rows]  # [R] view
         T = chunks.shape[1]
-        logits = self._device_step(rows, lengths, chunks, chunk_valid, num_logits, n, T if T <= SMALL_CHUNK else n, attend)
+        keep = keep or (T if T <= SMALL_CHUNK else n)
+        logits = self._device_step(rows, lengths, chunks, chunk_valid, num_logits, n, keep, attend)
         lengths.add_(chunk_valid.sum(dim=1))
         return (logits,)
 

@@ -1,0 +1,92 @@
+"""A speculative step as two captured programs on the CPU: the draft's K steps with their sampling, then
+the verify with its rejection test, each one replay of a graph, and one read-back per step. The capture
+is tests/models/test_cuda_graphs.py's stand-in (EagerProgram: exact input shapes, no host read inside);
+tests/gpu runs the real CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysd.core.sampling import SamplingParams
+from raysd.core.speculation import SpeculationConfig
+from raysd.engine.drafters import DraftModelDrafter, flags_of
+from raysd.engine.engine import EngineConfig, SpecEngine
+from raysd.engine.requests import Request
+from tests.conftest import EOS, VOCAB, tiny_model
+from tests.engine.test_host_syncs import count_host_reads
+from tests.models.test_cuda_graphs import graphed
+
+
+def engine_of(k: int = 4, batch: int = 4, graphs: bool = True, **config) -> SpecEngine:
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"),
+                        EngineConfig(SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,), **config),
+                                     max_batch_size=batch, runner="static"))
+    if graphs:
+        graphed(engine.target.rows.runner)
+        graphed(engine.draft.drafter.rows.runner)
+    return engine
+
+
+def requests(n: int, temperature: float, max_new: int = 12, seed: int = 0) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (n,), generator=g).tolist()
+    return [Request(i, torch.randint(3, VOCAB, (m,), generator=g).tolist(),
+                    SamplingParams(temperature=temperature, max_new_tokens=max_new + i % 5, seed=i, ignore_eos=True))
+            for i, m in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_is_one_draft_replay_one_verify_replay_and_one_read_back(temperature, monkeypatch):
+    """Each step replays one draft program (its K forwards and draws; none where no row has room for a
+    draft) and one verify program; a step runs no forward eagerly, and reads back from the device once
+    (the verdict)."""
+    engine = engine_of()
+    draft, target = engine.draft.drafter.rows.runner, engine.target.rows.runner
+    per_step, step = [], engine.step
+
+    def counted_step():
+        before = draft.counts.copy(), target.counts.copy()
+        with count_host_reads(monkeypatch) as reads:
+            verdict = step()
+        d, t = draft.counts.minus(before[0]), target.counts.minus(before[1])
+        drafted = int(verdict.offered.max(initial=0) > 0)  # the last rows' last step: no room for drafts
+        per_step.append((verdict.plan.k, reads.count, d.replays - drafted, t.replays, d.eager_forwards + t.eager_forwards))
+        return verdict
+
+    engine.step = counted_step
+    results = engine.generate(requests(6, temperature))
+    assert all(len(r.token_ids) == 12 + i % 5 for i, r in enumerate(results))
+    assert per_step and all(k == 4 for k, *_ in per_step)
+    assert all(reads <= 1 and d == 0 and t == 1 and eager == 0 for _, reads, d, t, eager in per_step), per_step
+    with torch.inference_mode():  # the same engine without graphs emits the same tokens
+        assert [r.token_ids for r in engine_of(graphs=False).generate(requests(6, temperature))] == [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_and_verify_programs_trace_as_one_graph_each(temperature):
+    """torch._dynamo.explain of each program: no graph break (a break is Python between kernels, which a
+    CUDA graph would replay without, or a host read), so torch.compile can take a program whole. The
+    runners run stock linears, as on a GPU (the prepacked CPU kernels are an eager path)."""
+    import torch._dynamo as dynamo
+
+    engine = engine_of(graphs=False, acceptance="exact")
+    engine.target.rows.runner._packed = engine.draft.drafter.rows.runner._packed = None
+    engine.add([(r.request_id, r) for r in requests(3, temperature)])
+    engine.step()  # every row warm in the drafter, one step verified
+    drafter, target = engine.draft.drafter, engine.target
+    sampling = engine.draft._sampling
+    uniforms = torch.rand(3, 4, dtype=torch.float64)
+    drafter.rows.catch_up(keep=2)
+    with torch.inference_mode():
+        inputs = drafter.draft_inputs(4, sampling, uniforms)
+        explained = dynamo.explain(drafter.draft_program)(4, flags_of(sampling), 256, *inputs)
+        assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+        assert explained.graph_count == 1
+        proposal = drafter.propose([4, 4, 4], sampling, uniforms)
+        inputs, flags = target.verify_inputs(proposal, 4)
+        explained = dynamo.explain(target.verify_program)(4, flags, 256, *inputs)
+        assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+        assert explained.graph_count == 1
+    dynamo.reset()
