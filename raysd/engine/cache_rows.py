@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from raysd.core.device import host_to_device, padded_rows
@@ -118,11 +119,15 @@ class CacheRows:
         if n == 0:
             return
         width = short if n <= short else -(-n // piece) * piece
-        ids, valid = padded_rows(older, width, right_aligned=True)  # [B, width] on the host
-        ids, valid = host_to_device(ids, torch.int64, self.device), host_to_device(valid, torch.bool, self.device)
-        for start in range(0, width, min(piece, width)):
-            cols = slice(start, start + min(piece, width))
+        ids_host, valid_host = padded_rows(older, width, right_aligned=True)  # [B, width]
+        ids, valid = host_to_device(ids_host, torch.int64, self.device), host_to_device(valid_host, torch.bool, self.device)
+        fed = np.asarray(self.cached, dtype=np.int64)  # [B] each row's cached tokens as the pieces go in
+        step = min(piece, width)
+        for start in range(0, width, step):
+            cols = slice(start, start + step)
             self.runner.feed_only(ids[:, cols], valid[:, cols])
+            fed += valid_host[:, cols].sum(axis=1)
+            self.runner.know_longest(int(fed.max()))  # the host counted: the next piece attends no wider than needed
         self.cached = [c + len(o) for c, o in zip(self.cached, older)]
         self.pending = [p[len(o):] for p, o in zip(self.pending, older)]
 

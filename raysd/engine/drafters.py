@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -200,9 +200,7 @@ class DraftModelDrafter(Drafter):
         K = self.width(max(max_drafts))
         self.rows.catch_up(keep=PENDING)
         inputs = self.draft_inputs(K, sampling, uniforms)
-        program = ("draft", K, *flags_of(sampling), self.draft_top_m, self._probs.data_ptr())
-        tokens, probs = self.rows.runner.run(program, functools.partial(self.draft_program, K, flags_of(sampling)), inputs,
-                                             PENDING + K - 1)
+        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1)
         host = (K - 1,) * B
         self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
         num = host_to_device(list(max_drafts), torch.int64, device)
@@ -212,16 +210,30 @@ class DraftModelDrafter(Drafter):
         """The drafts a step of at most `k` per row makes: `k` rounded up to a captured width."""
         return min((w for w in self.draft_widths if w >= k), default=k)
 
+    def program(self, K: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
+        """The key and function (`draft_program`) of the program that drafts K per row with these rows'
+        sampling flags (StaticRunner.run)."""
+        flags = flags_of(sampling)
+        return ("draft", K, *flags, self.draft_top_m), functools.partial(self.draft_program, K, flags)
+
     def draft_inputs(self, K: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The draft program's inputs for the rows' pending tokens (at most PENDING each): pending
         tokens [B, PENDING] and their count [B], draws [B, K], the rows' temperature, top-k, top-p."""
         pending, count = self.rows.pending_inputs(PENDING)
-        B, V = pending.shape[0], self.target_vocab_size
-        slots = max(B, self.rows.runner.cache.capacity[0])
-        if self._probs is None or self._probs.shape[0] < slots or self._probs.shape[1] < K:  # grows rarely: graphs key on it
-            size = (slots, max(K, 0 if self._probs is None else self._probs.shape[1]), V)
-            self._probs = torch.zeros(size, dtype=torch.float32, device=self.rows.device)
+        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), K)
         return pending, count, uniforms[:, :K].double(), sampling.temperature, sampling.top_k, sampling.top_p
+
+    def reserve_probs(self, slots: int, K: int) -> None:
+        """Room in the buffer the draft program writes draft_probs into for `slots` rows of K drafts.
+        Growing it (rare: the first time, or more slots) drops the runner's captured graphs, which
+        write into the old one."""
+        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= K:
+            return
+        K = max(K, 0 if self._probs is None else self._probs.shape[1])
+        self._probs = torch.zeros(slots, K, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
+        graphs = getattr(self.rows.runner, "graphs", None)
+        if graphs is not None:
+            graphs.graphs.clear()
 
     def draft_program(self, K: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
                       top_p) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import KController
 from raysd.engine.draft_assist import DraftAssistDrafter
+from raysd.engine.graphs import capture_plan, capture_steps
 from raysd.engine.drafters import Drafter
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
 from raysd.engine.step import DraftSide, StepHook, speculative_step
@@ -120,15 +121,39 @@ class SpecEngine:
     def step(self) -> Verdict:
         return speculative_step(self.draft, self.target, self.hook)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether either model replays its steps from CUDA graphs."""
+        runners = [self.target.rows.runner, getattr(getattr(self.drafter, "rows", None), "runner", None)]
+        return any(getattr(r, "graphs", None) is not None for r in runners)
+
+    def capture(self, rows: int, max_length: int) -> None:
+        """Capture every program the steps of up to `rows` rows of up to `max_length` tokens each can
+        replay (raysd.engine.graphs), now rather than at a step, with their seconds in the timings.
+        Needs the job's first rows admitted (their state and sampling give the programs' inputs)."""
+        spec = self.admission.spec
+        plan = capture_plan(self.drafter, spec.num_speculative_tokens, spec.adaptive is not None, rows,
+                            min(max_length, self.max_model_len))
+        before = self.target.graph_counts(), self.draft.graph_counts()
+        capture_steps(self.target, self.draft, plan)
+        self.timings.add_counts(self.target.graph_counts().minus(before[0]))
+        self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
+
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
-        """Generate for every request; results come back in request order."""
+        """Generate for every request; results come back in request order. With CUDA graphs, every
+        program its steps will replay is captured once the first rows are in (`capture`)."""
         admitted, results = self.admission.split(requests)
         waiting = deque(admitted)
         start = time.perf_counter()
+        capture = self.graphed and bool(admitted)
         while waiting or len(self.target):
             free = self.config.max_batch_size - len(self.target)
             if waiting and free:
                 self.add([waiting.popleft() for _ in range(min(len(waiting), free))])
+            if capture:
+                self.capture(min(self.config.max_batch_size, len(admitted)),
+                             max(len(r.prompt_token_ids) + r.params.max_new_tokens for _, r in admitted))
+                capture = False
             for i, result in self.step().finished:
                 results[i] = result
                 self.timings.generated_tokens += len(result.token_ids)

@@ -200,11 +200,14 @@ class TargetSide:
         ids, host = proposal.draft_token_ids, proposal.num_draft_host
         K = self.width(ids.shape[1])
         inputs, flags = self.verify_inputs(proposal, K)
-        program = ("verify", inputs[0].shape[1], K, *flags)
-        packed, = self.rows.runner.run(program, functools.partial(self.verify_program, K, flags), inputs,
-                                       inputs[0].shape[1] + K)
+        P = inputs[0].shape[1]
+        packed, = self.rows.runner.run(("verify", P, K, *flags), self.program_fn(K, flags), inputs, P + K)
         self.rows.mark_fed(inputs[2], proposal.num_draft_tokens, host)
-        return unpack(packed.cpu().numpy(), self._layouts[program[1:]])
+        return unpack(packed.cpu().numpy(), self._layouts[(P, K, *flags)])
+
+    def program_fn(self, K: int, flags: tuple) -> Callable:
+        """The verify program of K drafts per row with these flags (`verify_inputs`), for StaticRunner.run."""
+        return functools.partial(self.verify_program, K, flags)
 
     def width(self, k: int) -> int:
         """Drafts per row a verify of `k` feeds: `k` rounded up to a captured width (`verify_widths`)."""
@@ -221,7 +224,7 @@ class TargetSide:
             probs = torch.cat([probs, probs.new_zeros(probs.shape[0], K - probs.shape[1], probs.shape[2])], dim=1)
         sampling, acceptance = self._sampling, self.spec.acceptance
         greedy = sampling.all_greedy and acceptance.exact  # argmaxes only: no draw, and a one-hot draft needs no probs
-        one_hot = greedy and proposal.one_hot
+        one_hot = greedy and (proposal.one_hot or K == 0)
         pending, count = self.rows.pending_inputs()
         inputs = [pending, count, ids, num] + ([] if one_hot else [probs])
         if not greedy:

@@ -82,13 +82,13 @@ def buffer_pointers(runner) -> list[int]:
     return [runner._lengths.data_ptr()] + [t.data_ptr() for layer in runner._layers() for t in (layer.keys, layer.values)]
 
 
-def attend_bucket(columns: int, max_columns: int) -> int:
+def attend_bucket(columns: int, max_columns: int | None = None) -> int:
     """The attended width of a graph for rows of up to `columns` tokens: the next power of two
     (at least MIN_ATTEND), within `max_columns` when that is still enough."""
     w = MIN_ATTEND
     while w < columns:
         w *= 2
-    return max(columns, min(w, max_columns))
+    return w if max_columns is None else max(columns, min(w, max_columns))
 
 
 def attend_buckets(columns: int, max_columns: int) -> list[int]:
@@ -148,6 +148,7 @@ class GraphedSteps:
         r._bound += advance
         return tuple(o[:B] for o in outputs)
 
+    @torch.inference_mode()
     def capture_at(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], attend: int) -> bool:
         """Capture `fn` beforehand for inputs of R = their rows and `attend` columns (the runner's
         slots and columns must hold them already: growing the buffers drops every graph). Returns

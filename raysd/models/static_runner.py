@@ -491,6 +491,31 @@ class StaticRunner:
             bound = max(bound, width)
         self._bound = bound  # the old rows did not grow
 
+    def know_longest(self, max_length: int) -> None:
+        """The rows' longest length, as the host knows it exactly (a caller that counted what it fed):
+        the attended width follows it rather than an upper bound."""
+        self._bound = max_length
+
+    @torch.inference_mode()
+    def reserve(self, slots: int, columns: int) -> None:
+        """Buffers of at least `slots` slots, with room for rows of `columns` tokens, made now: growing
+        them later drops every captured graph, so a job that captures its steps beforehand reserves
+        what they will need first. Before any forward the buffers do not exist yet (their shapes come
+        from the model's keys): one forward of one token over a free slot makes them."""
+        S, L = self.cache.capacity
+        if slots > S:
+            self._grow(slots, L)
+        self._reserve(columns)
+        if not self._layers():
+            n, bound = self._num_rows, self._bound
+            if n == self.cache.capacity[0]:
+                self._grow(n + 1, self.cache.capacity[1])
+            one = torch.ones(1, 1, dtype=torch.int64, device=self.device)
+            with self.counted_as("prefill"):
+                self._forward(slice(n, n + 1), one, one.bool(), one[0], 1)
+            self._lengths[n] = 0
+            self._bound = bound
+
     def _attended(self, columns: int) -> int:
         """Columns a forward attends: `columns` rounded up to `width_bucket` (fewer shapes), within the buffer."""
         return min(-(-columns // self.width_bucket) * self.width_bucket, self.max_cache_len)

@@ -18,8 +18,10 @@ from tests.engine.test_host_syncs import count_host_reads
 from tests.models.test_cuda_graphs import graphed
 
 
-def engine_of(k: int = 4, batch: int = 4, graphs: bool = True, **config) -> SpecEngine:
-    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=5, layers=1)
+def engine_of(k: int = 4, batch: int = 4, graphs: bool = True, same: bool = False, **config) -> SpecEngine:
+    """`same`: the draft is the target itself (every greedy draft accepted), else a one-layer draft."""
+    target = tiny_model("llama", seed=0)
+    draft = target if same else tiny_model("llama", seed=5, layers=1)
     engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"),
                         EngineConfig(SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,), **config),
                                      max_batch_size=batch, runner="static"))
@@ -90,3 +92,45 @@ def test_the_draft_and_verify_programs_trace_as_one_graph_each(temperature):
         assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
         assert explained.graph_count == 1
     dynamo.reset()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("costs", ["learned", "profile"])
+def test_steady_state_replays_only_under_k_auto_with_rows_finishing_and_refilling(temperature, costs):
+    """A 200-step job under `-k auto` (the controller changes K as it learns acceptance, and step costs
+    when it learns them too: then plain steps, after which the drafter catches up), rows finishing one
+    by one and waiting requests taking their slots, the batch's tail: once the engine has captured its
+    programs (SpecEngine.capture, before the first step), no step captures a graph or runs a forward
+    eagerly; every step is replays. The tokens are the eager engine's (where both plan the same K:
+    greedy, or a measured profile). The draft is the target itself,
+    so acceptance is high and K worth raising; a profile that makes wider verifies cost more has the
+    controller move K over 1..4 as the rows' evidence accumulates and their room shrinks."""
+    from raysd.core.speculation import AdaptiveConfig, StepCosts
+
+    profile = StepCosts((1,), ((1.0, 1.1, 1.3, 1.6, 2.0),), (0.05,))
+    adaptive = AdaptiveConfig(costs=profile if costs == "profile" else None)
+
+    def job():
+        return requests(140, temperature, max_new=18, seed=1)
+
+    engine = engine_of(same=True, adaptive=adaptive)
+    draft, target = engine.draft.drafter.rows.runner, engine.target.rows.runner
+    per_step, step = [], engine.step
+
+    def counted_step():
+        before = draft.counts.copy(), target.counts.copy()
+        verdict = step()
+        d, t = draft.counts.minus(before[0]), target.counts.minus(before[1])
+        per_step.append((verdict.plan.k, len(verdict.kept), d.captures + t.captures, d.eager_forwards + t.eager_forwards))
+        return verdict
+
+    engine.step = counted_step
+    out = [r.token_ids for r in engine.generate(job())]
+    ks = {k for k, *_ in per_step}
+    assert len(per_step) >= 200 and {b for _, b, *_ in per_step} >= {1, 2, 3, 4}  # the rows change
+    assert len(ks) >= 2 and 0 in ks if costs == "learned" else len(ks) >= 3, ks  # K changes (learned: plain steps too)
+    assert all(captures == 0 and eager == 0 for *_, captures, eager in per_step), [s for s in per_step if s[2:] != (0, 0)]
+    assert engine.timings.graph_captures > 0 and engine.timings.eager_forwards == 0
+    if temperature == 0 or costs == "profile":  # else K follows timings, and which draws a row reads follows K
+        eager = engine_of(graphs=False, same=True, adaptive=adaptive)
+        assert [r.token_ids for r in eager.generate(job())] == out

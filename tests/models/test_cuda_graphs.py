@@ -67,13 +67,19 @@ def graphed(runner: StaticRunner, **options) -> StaticRunner:
     return runner
 
 
-def generate(target, draft, ps, k=4, batch=4, graphs=None, max_new=24):
+def generate_with(target, draft, graphs=None, k=4, batch=4) -> SpecEngine:
+    """An engine over static runners, with `graphs` (GraphedSteps' options) the stand-in capture's."""
     engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"),
                         EngineConfig(SpeculationConfig(num_speculative_tokens=k, eos_token_ids=(EOS,)), max_batch_size=batch,
                                      runner="static"))
     if graphs is not None:
         graphed(engine.target.rows.runner, **graphs)
         graphed(engine.draft.drafter.rows.runner, **graphs)
+    return engine
+
+
+def generate(target, draft, ps, k=4, batch=4, graphs=None, max_new=24):
+    engine = generate_with(target, draft, graphs, k, batch)
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(ps)])
     return [r.token_ids for r in out], engine
 
@@ -118,16 +124,15 @@ def test_a_shape_is_captured_the_second_time_it_is_seen():
 
 
 def test_buffer_growth_drops_the_graphs_and_keeps_the_tokens():
-    """Rows outgrow the initial buffer (8 columns): the buffers double, graphs captured on the old
-    ones are dropped and captured again; the output is unchanged."""
+    """A job captures over buffers reserved for its longest request; a later, longer job grows them (the
+    columns double): graphs captured on the old ones are dropped and captured again; the output is the
+    eager engine's."""
     target, draft = tiny_model("llama", 0), tiny_model("llama", 3, layers=1)
-    ps = make_prompts()
-    eager, _ = generate(target, draft, ps)
-    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static"),
-                        EngineConfig(SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,)), max_batch_size=4,
-                                     runner="static"))
-    small = StaticRunner(target, max_cache_len=8)
-    engine.target.rows.runner = graphed(small)
+    ps = make_prompts()[:4]
+    jobs = [[Request(i, p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, p in enumerate(ps)] for n in (24, 280)]
+    eager = [r.token_ids for job in jobs for r in generate_with(target, draft, None).generate(job)]
+    engine = generate_with(target, draft, {})
+    small = engine.target.rows.runner
     pointers = []
     original = small.graphs._capture
 
@@ -136,8 +141,8 @@ def test_buffer_growth_drops_the_graphs_and_keeps_the_tokens():
         return original(key, fn, inputs)
 
     small.graphs._capture = capture
-    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(ps)])
-    assert [r.token_ids for r in out] == eager
+    out = [r.token_ids for job in jobs for r in engine.generate(job)]
+    assert out == eager
     assert len(set(pointers)) > 1  # captured over more than one set of buffers
 
 
