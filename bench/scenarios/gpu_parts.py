@@ -203,9 +203,9 @@ def count_syncs(target, draft, V: int, K: int, batch: int, requests, device) -> 
     if device.type != "cuda":
         return {}
     out = {}
-    for name, make in (("ar", lambda: NoDrafter(V, device)), ("raysd", lambda: DraftModelDrafter(draft, V))):
+    for name, make in (("ar", lambda: NoDrafter(V, device)), ("raysd", lambda: DraftModelDrafter(draft, V, cuda_graphs=False))):
         k = 0 if name == "ar" else K
-        engine = SpecEngine(target, make(), EngineConfig(SpeculationConfig(k), max_batch_size=batch))
+        engine = SpecEngine(target, make(), EngineConfig(SpeculationConfig(k), max_batch_size=batch, cuda_graphs=False))
         engine.generate(requests(1))  # admission and prefill syncs not counted below
         engine.timings.steps = 0
         torch.cuda.synchronize()

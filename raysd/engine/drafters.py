@@ -138,7 +138,7 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0,
-                 runner: str = "auto", cuda_graphs: bool = False, compile: bool = False):
+                 runner: str = "auto", cuda_graphs: bool | None = None, compile: bool | None = None):
         if draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
@@ -147,8 +147,9 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        # cuda_graphs: the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
-        # compile: through torch.compile (StaticRunner), the graphs then capturing the compiled kernels.
+        # cuda_graphs: the draft's K steps replayed as one CUDA graph (raysd.models.cuda_graphs); compile: its
+        # forwards through torch.compile (StaticRunner), the graphs then capturing the compiled kernels. None
+        # (the default): both on for the static runner on a CUDA device (raysd.models.runner.make_runner).
         self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size), cuda_graphs=cuda_graphs,
                                           compile=compile))
         self.supports_trees = isinstance(self.rows.runner, StaticRunner)
@@ -200,7 +201,7 @@ class DraftModelDrafter(Drafter):
         K = self.width(max(max_drafts))
         self.rows.catch_up(keep=PENDING)
         inputs = self.draft_inputs(K, sampling, uniforms)
-        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1)
+        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1, forwards=K)
         host = (K - 1,) * B
         self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
         num = host_to_device(list(max_drafts), torch.int64, device)

@@ -36,13 +36,13 @@ class EngineConfig:
     # (a verify of K + 1 tokens then costs about one decode step; raysd.models.linear; one more
     # copy of the weights in memory), PyTorch's own otherwise; "packed" insists; "stock" never.
     linear_kernels: str = "auto"
-    # The target's decode and verify forwards replayed as CUDA graphs captured per shape
-    # (raysd.models.cuda_graphs; static runner on CUDA). A draft model's: DraftModelDrafter(cuda_graphs=True).
-    cuda_graphs: bool = False
-    # The target's decode and verify forwards through torch.compile (static runner; with cuda_graphs the
-    # graphs capture Inductor's fused kernels: an 8B step 1.3x faster on an H200). A draft model's:
-    # DraftModelDrafter(compile=True).
-    compile: bool = False
+    # The target's steps replayed as CUDA graphs, each captured before the first step
+    # (raysd.models.cuda_graphs, raysd.engine.graphs; static runner on CUDA). None: on wherever the
+    # target runs on a CUDA device with the static runner. A draft model's: DraftModelDrafter(cuda_graphs=).
+    cuda_graphs: bool | None = None
+    # The target's step forwards through torch.compile (static runner; with CUDA graphs, the graphs
+    # capture Inductor's fused kernels). None: with the CUDA graphs. A draft model's: DraftModelDrafter(compile=).
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner, self.cuda_graphs, self.compile)
@@ -113,10 +113,12 @@ class SpecEngine:
 
     def add(self, items: Sequence[tuple[int, Request]]) -> None:
         """Admit rows into both sides (the target prefills their prompts; a cold drafter waits)."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), (self.target.graph_counts(), self.draft.graph_counts())
         self.target.add(items)
         self.draft.add(items)
         self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.add_counts(self.target.graph_counts().minus(before[0]))  # a compiled runner's prefill compiles
+        self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
 
     def step(self) -> Verdict:
         return speculative_step(self.draft, self.target, self.hook)

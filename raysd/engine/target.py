@@ -41,11 +41,11 @@ class TargetSide:
     cached for good in its step (a new row's prompt first)."""
 
     def __init__(self, model: PreTrainedModel, spec: SpeculationConfig, runner: str = "auto", features: bool = False,
-                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
-                 compile: bool = False):
+                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None,
+                 cuda_graphs: bool | None = False, compile: bool | None = False):
         """`decode`: token ids -> text with the target's tokenizer, for requests with stop strings;
-        `cuda_graphs`: decode and verify forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
-        `compile`: those forwards through torch.compile (StaticRunner)."""
+        `cuda_graphs`: decode and verify programs replayed as CUDA graphs (raysd.models.cuda_graphs);
+        `compile`: their forwards through torch.compile (StaticRunner); None: raysd.models.runner.make_runner's default."""
         self.rows = CacheRows(make_runner(model, runner, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs,
                                           compile=compile))
         self.spec, self.acceptance = spec, str(spec.acceptance)

@@ -121,13 +121,15 @@ class StepTimings:
     borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
     # Both models' forwards (raysd.models.cuda_graphs.GraphCounts): programs replayed from CUDA graphs (a
     # draft's K steps, a verify: one each), step forwards run eagerly (0 in steady state with graphs),
-    # graphs captured and their seconds (torch.compile's compiles included, and how many it made; a
-    # job's start-up captures too), and the bytes of weights and attended keys/values the forwards read.
+    # graphs captured and their seconds (torch.compile's compiles included), torch.compile's compiles and
+    # the seconds of the forwards that made them (a job's start-up counted too: SpecEngine.capture), and
+    # the bytes of weights and attended keys/values the forwards read.
     graph_replays: int = 0
     eager_forwards: int = 0
     graph_captures: int = 0
     capture_s: float = 0.0
     compiles: int = 0
+    compile_s: float = 0.0
     bytes_read: int = 0
 
     def add_counts(self, counts) -> None:
@@ -137,4 +139,5 @@ class StepTimings:
         self.graph_captures += counts.captures
         self.capture_s += counts.capture_s
         self.compiles += counts.compiles
+        self.compile_s += counts.compile_s
         self.bytes_read += counts.bytes_read

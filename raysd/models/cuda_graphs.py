@@ -47,8 +47,9 @@ class GraphCounts:
     prefill_forwards: int = 0  # prompt forwards at admission (always eager)
     captures: int = 0  # graphs captured
     capture_s: float = 0.0  # seconds capturing, torch.compile's compiles included
-    compiles: int = 0  # graphs torch.compile made while capturing (dynamo's unique graphs)
-    bytes_read: int = 0  # weights and attended keys/values the forwards read, padding rows and columns included
+    compiles: int = 0  # graphs torch.compile made (dynamo's unique graphs), while capturing or not
+    compile_s: float = 0.0  # seconds of the forwards that compiled
+    bytes_read: int = 0  # weights and attended keys/values the steps' forwards read, padding rows and columns included
 
     def copy(self) -> GraphCounts:
         return GraphCounts(**{k: getattr(self, k) for k in self.__dataclass_fields__})
@@ -124,10 +125,11 @@ class GraphedSteps:
         self.seen: dict[GraphKey, int] = {}
         self._pointers = None
 
-    def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int) -> tuple | None:
+    def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int,
+            forwards: int = 1) -> tuple | None:
         """`fn`'s outputs from a graph, for the runner's rows, or None where this shape is not (yet)
         captured: the caller then runs `fn` eagerly. `advance`: columns the program adds to the
-        longest row (its tokens per row)."""
+        longest row (its tokens per row); `forwards`: the model forwards it makes (for bytes_read)."""
         r = self.runner
         if not r._layers():  # nothing cached yet: a capture needs the buffers a first forward makes
             return None
@@ -144,6 +146,7 @@ class GraphedSteps:
             step = self._capture(key, fn, padded)
         self.graphs.move_to_end(key)
         r.counts.replays += 1
+        r.counts.bytes_read += forwards * r.bytes_per_forward(key.rows, key.attend)
         outputs = step(*padded)
         r._bound += advance
         return tuple(o[:B] for o in outputs)
@@ -168,10 +171,8 @@ class GraphedSteps:
             self.graphs.clear()
 
     def _capture(self, key: GraphKey, fn: Callable, inputs: Sequence[torch.Tensor]):
-        from torch._dynamo.utils import counters
-
         r = self.runner
-        t0, compiled = time.perf_counter(), counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
         step = self.capture(r, fn, inputs, key.attend, self.pool)  # may grow the buffers first
         pointers = buffer_pointers(r)
         if pointers != self._pointers:  # the buffers moved: every earlier graph wrote the old ones
@@ -180,7 +181,6 @@ class GraphedSteps:
         self.graphs[key] = step
         r.counts.captures += 1
         r.counts.capture_s += time.perf_counter() - t0
-        r.counts.compiles += counters["stats"]["unique_graphs"] - compiled
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return step

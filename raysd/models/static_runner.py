@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
@@ -139,7 +140,7 @@ class StaticRunner:
         `checks` turns on the assertions that need a host synchronisation (tests);
         `compile` runs the steps (chunks of up to SMALL_CHUNK tokens per row: decode, verify, draft) through
         torch.compile with symbolic shapes: the attended width never recompiles, the chunk width and the rows
-        only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
+        only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); prefills run eager. With `cuda_graphs`, the
         compiled kernels are what each graph captures (Inductor's fusions, then no launches);
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU, where measured faster);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
@@ -202,15 +203,15 @@ class StaticRunner:
         return logits.clone() if self.counts.replays > replays else logits  # a graph's output is overwritten by its next replay
 
     @torch.inference_mode()
-    def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int) -> tuple:
+    def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int, forwards: int = 1) -> tuple:
         """`fn(attend, *inputs)`, a program over the slots 0 .. B - 1 (B = the inputs' rows = the
-        runner's rows; raysd.models.cuda_graphs) that adds at most `advance` tokens to any row: replayed
-        from a graph keyed by `program` when the runner has graphs, else run eagerly at the attended
-        width the rows need. Returns its outputs (for the B rows)."""
+        runner's rows; raysd.models.cuda_graphs) of `forwards` model forwards that adds at most
+        `advance` tokens to any row: replayed from a graph keyed by `program` when the runner has
+        graphs, else run eagerly at the attended width the rows need. Returns its outputs (for the B rows)."""
         assert inputs[0].shape[0] == self.num_rows
         self._reserve(self._bound + advance)
         if self.graphs is not None:
-            outputs = self.graphs.run(program, fn, inputs, advance)
+            outputs = self.graphs.run(program, fn, inputs, advance, forwards)
             if outputs is not None:
                 return outputs
         outputs = fn(self._attended(self._bound + advance), *inputs)
@@ -297,9 +298,10 @@ class StaticRunner:
         # K + 1 query tokens without copying the cache per key/value group, and without re-packing
         # each weight per product on a CPU
         with packed_gqa(self.model), linear_kernels(self.model, self._packed):
-            compiled = self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK
+            # steps only: a prompt's forward runs once per row, and its widths would each compile
+            compiled = self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK and self._kind != "prefill"
             call = self._compiled if compiled else self.model
-            with torch._dynamo.config.patch(recompile_limit=COMPILES) if compiled else contextlib.nullcontext():
+            with self._compiles() if compiled else contextlib.nullcontext():
                 out = call(
                     input_ids=chunks,
                     attention_mask=self._mask(allowed[:, None]),
@@ -377,16 +379,28 @@ class StaticRunner:
         if max_length is not None:
             self._bound = max_length
 
+    @contextlib.contextmanager
+    def _compiles(self) -> Iterator[None]:
+        """A call of the compiled model, within the recompile limit, counting the graphs torch.compile
+        makes in it (dynamo's unique graphs) and the call's seconds when it made one."""
+        from torch._dynamo.utils import counters
+
+        before, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=COMPILES):
+            yield
+        made = counters["stats"]["unique_graphs"] - before
+        if made:
+            self.counts.compiles += made
+            self.counts.compile_s += time.perf_counter() - t0
+
     def _count(self, rows: int, width: int) -> None:
         """One forward over `rows` slots attending `width` columns, counted by the kind of the
-        moment (`counted_as`) with the bytes it reads. A graph's replays are counted by GraphedSteps."""
-        if self._kind == "graph":
-            return
+        moment (`counted_as`), a step's with the bytes it reads. A graph's replays are counted by GraphedSteps."""
         if self._kind == "prefill":
             self.counts.prefill_forwards += 1
-        else:
+        elif self._kind == "step":
             self.counts.eager_forwards += 1
-        self.counts.bytes_read += self.bytes_per_forward(rows, width)
+            self.counts.bytes_read += self.bytes_per_forward(rows, width)
 
     def bytes_per_forward(self, rows: int, width: int) -> int:
         """What one forward over `rows` slots attending `width` columns reads at least: every weight

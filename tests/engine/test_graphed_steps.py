@@ -134,3 +134,35 @@ def test_steady_state_replays_only_under_k_auto_with_rows_finishing_and_refillin
     if temperature == 0 or costs == "profile":  # else K follows timings, and which draws a row reads follows K
         eager = engine_of(graphs=False, same=True, adaptive=adaptive)
         assert [r.token_ids for r in eager.generate(job())] == out
+
+
+def test_compiles_happen_at_start_up_and_are_counted():
+    """With compiled forwards (a counting backend here: nothing is compiled for real), every graph
+    torch.compile makes is made at admission or while capturing, before the first step, and the
+    timings count them: no step compiles. On CUDA the graphs then capture the compiled kernels."""
+    import torch._dynamo as dynamo
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo.reset()
+    engine = engine_of()
+    runners = engine.target.rows.runner, engine.draft.drafter.rows.runner
+    for runner in runners:
+        runner._compiled, runner._packed = torch.compile(runner.model, backend=backend, dynamic=True), None
+    per_step, step = [], engine.step
+
+    def counted_step():
+        before = sum(r.counts.compiles for r in runners)
+        verdict = step()
+        per_step.append(sum(r.counts.compiles for r in runners) - before)
+        return verdict
+
+    engine.step = counted_step
+    engine.generate(requests(10, 0.0))
+    dynamo.reset()
+    assert engine.timings.compiles == len(graphs) > 0 and engine.timings.compile_s > 0
+    assert per_step and not any(per_step), per_step

@@ -188,6 +188,20 @@ def test_engine_with_cuda_graphs_matches_eager(dtype, compile):
 
 
 @needs_cuda
+def test_an_engine_on_cuda_replays_graphs_of_compiled_forwards_by_default(monkeypatch):
+    """EngineConfig() and DraftModelDrafter() on a CUDA device: CUDA graphs on, and torch.compile under
+    them (tests/gpu's conftest turns the compile off for the other tests; nothing is run here)."""
+    import raysd.models.runner
+
+    monkeypatch.setattr(raysd.models.runner, "AUTO_COMPILE", True)
+    target = tiny_on_device("llama", dtype=torch.bfloat16)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(SpeculationConfig(num_speculative_tokens=4)))
+    for runner in (engine.target.rows.runner, engine.draft.drafter.rows.runner):
+        assert runner.graphs is not None and runner._compiled is not None
+
+
+@needs_cuda
 def test_a_batchs_tail_replays_padded_cuda_graphs():
     """Eight rows end one by one (each its own token budget): the rows left replay the graph of the
     next row bucket (8, 4, 2, 1), free slots fed all-padding chunks (raysd.models.cuda_graphs). fp32

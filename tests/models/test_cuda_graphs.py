@@ -155,6 +155,16 @@ def test_at_most_max_graphs_are_kept():
     assert len(engine.target.rows.runner.graphs.graphs) <= 2 and engine.target.rows.runner.counts.captures > 2
 
 
+def test_graphs_and_compile_default_off_on_a_cpu():
+    """EngineConfig's and DraftModelDrafter's None (the default) turns CUDA graphs and torch.compile on
+    for a static runner on a CUDA device only (tests/gpu/test_gpu_static.py checks it there)."""
+    target, draft = tiny_model("llama", 0), tiny_model("llama", 3, layers=1)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(SpeculationConfig(num_speculative_tokens=4)))
+    for runner in (engine.target.rows.runner, engine.draft.drafter.rows.runner):
+        assert isinstance(runner, StaticRunner) and runner.graphs is None and runner._compiled is None
+    assert make_runner(tiny_model("gpt2", 0), "auto", cuda_graphs=None, compile=None).__class__.__name__ == "DynamicRunner"
+
+
 def test_cuda_graphs_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="CUDA device"):
         StaticRunner(tiny_model("llama", 0), cuda_graphs=True)
