@@ -3,6 +3,7 @@ over one target and one drafter. The Ray actors run the same step (raysd.actors)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from raysd.engine.target import TargetSide
 from raysd.engine.verdict import StepTimings, Verdict
 from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len, output_vocab_size
+from raysd.models.profile import crossover_tokens
 from raysd.models.names import check_runner_kind
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
@@ -87,8 +89,11 @@ class SpecEngine:
         if spec.tree_budget and (error := tree_support_error(drafter, self.target)):
             raise ValueError(error)
         self.draft = DraftSide(drafter, self.admission.spec, self.target.device)
-        controller = None if spec.adaptive is None else KController(spec.adaptive, spec.tree_budget,
-                                                                     spec.num_speculative_tokens)
+        adaptive = spec.adaptive
+        if adaptive is not None and adaptive.costs is None and adaptive.crossover_tokens is None:
+            # learned costs know where the device's verify turns compute-bound (None on a CPU)
+            adaptive = dataclasses.replace(adaptive, crossover_tokens=crossover_tokens(target))
+        controller = None if adaptive is None else KController(adaptive, spec.tree_budget, spec.num_speculative_tokens)
         self.hook = StepHook(self.admission.spec, controller)
 
     @property
@@ -138,6 +143,8 @@ class SpecEngine:
                             min(max_length, self.max_model_len))
         before = self.target.graph_counts(), self.draft.graph_counts()
         capture_steps(self.target, self.draft, plan)
+        if self.k_controller is not None:  # the chains it plans are those captured
+            self.k_controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
         self.timings.add_counts(self.target.graph_counts().minus(before[0]))
         self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
 
