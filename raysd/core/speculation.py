@@ -29,7 +29,8 @@ class Acceptance:
     - `relaxed` (LOSSY): verify against (1 - value) target_probs + value draft_probs (Yin et al.
       2024, arXiv 2411.00841): total variation value x TV(target, draft) per drafted position.
     - `synthetic` (capacity planning, NOT the target's distribution): each draft is accepted with
-      probability `value`, whatever the models say, so steps cost what they would at that rate.
+      probability `value`, whatever the models say, so steps cost what they would at that rate; the
+      rows' acceptance evidence (their overlaps, what `-k auto` plans from) is that rate too.
 
     Written as text `exact`, `relaxed:LAMBDA` or `synthetic:RATE` (`parse`, `str`)."""
 

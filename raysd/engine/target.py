@@ -334,11 +334,11 @@ def judge_chain(logits: torch.Tensor, ids: torch.Tensor, num: torch.Tensor, draf
     Kc = (uniforms.shape[1] - 1) // 2
     accept_u, final_u = uniforms[:, Kc : Kc + K], uniforms[:, 2 * Kc]
     target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
-    if acceptance.synthetic_rate is not None:
+    if acceptance.synthetic_rate is not None:  # each draft's chance of acceptance is the rate: so is its overlap
         out = synthetic_accept(ids, num, target_probs, accept_u, final_u, acceptance.synthetic_rate)
-    else:
-        lam = None if acceptance.relax is None else torch.full_like(final_u, acceptance.relax)  # [B]
-        out = rejection_sample(ids, num, draft_probs, target_probs, accept_u, final_u, lam)
+        return out, torch.full(ids.shape, acceptance.synthetic_rate, device=ids.device)
+    lam = None if acceptance.relax is None else torch.full_like(final_u, acceptance.relax)  # [B]
+    out = rejection_sample(ids, num, draft_probs, target_probs, accept_u, final_u, lam)
     return out, draft_target_overlap(draft_probs, target_probs)
 
 
