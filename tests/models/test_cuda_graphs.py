@@ -217,3 +217,23 @@ def test_the_steps_count_their_replays_eager_forwards_and_bytes(graphs):
         assert t.steps + t.drafted_steps < t.eager_forwards <= t.steps + 4 * t.drafted_steps
     else:
         assert t.graph_replays > t.eager_forwards and t.graph_captures > 0
+
+
+def test_bytes_read_are_the_weights_and_the_attended_keys_and_values():
+    """A step's bytes: every weight once (the input embedding only where it is the output head too),
+    then keys and values of every attended column of every slot, padding included. Plain decoding of
+    B rows for n steps reads n (weights + 2 L Hkv D itemsize B W) with W the attended width."""
+    from raysd.engine.drafters import NoDrafter
+
+    model = tiny_model("llama", 0)
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - model.get_input_embeddings().weight.numel() * 4
+    column = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    runner = StaticRunner(model)
+    assert runner.bytes_per_forward(3, 64) == weights + column * 3 * 64
+    engine = SpecEngine(model, NoDrafter(VOCAB), EngineConfig(SpeculationConfig(num_speculative_tokens=0), max_batch_size=3,
+                                                               runner="static"))
+    ps = make_prompts()[:3]
+    engine.generate([Request(i, p, SamplingParams(max_new_tokens=10, ignore_eos=True)) for i, p in enumerate(ps)])
+    t = engine.timings
+    assert t.bytes_read == t.steps * (weights + column * 3 * 64)  # three rows of under 64 tokens each step
