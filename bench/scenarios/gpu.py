@@ -24,8 +24,14 @@ the physical one (docs/contributing/gpu_runbook.md). Shapes: `--pair random` bui
 the device ("8b": Llama-3-8B, "1b": Llama-3.2-1B); `--pair smollm2` loads SmolLM2-135M-Instruct and
 its first --draft-layers layers (or --draft-model) and prompts from examples/prompts.jsonl.
 
+Each engine variant's runs also carry what its steps' forwards did (graph replays per step, forwards run
+eagerly and graphs captured during the run, bytes read per step and per second of stepping, the K -k auto
+chose) and its start-up (captures, torch.compile's compiles and their seconds). `--auto` adds a -k auto
+variant at each rate; `--kernels` the target's decode and verify forwards' GPU time by kernel kind.
+
     python -m bench run gpu --quick                                   # CPU smoke run
     python -m bench run gpu --ray --out $OUT/gpu_8b_1b                # on a GPU: 8B/1B, B 1 8 32 64, a .6 .8 .9
+    python -m bench run gpu --cuda-graphs on --runners graph --auto --kernels --count-syncs --rates 0.8  # issue 68
 Writes the result JSON and, beside it, a .md with the table.
 """
 
