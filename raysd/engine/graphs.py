@@ -71,39 +71,47 @@ def capture_steps(target: TargetSide, draft: DraftSide, plan: CapturePlan) -> No
     """Capture every program of `plan` on both sides (where they have graphs), and set the widths
     the sides round their steps up to. Call with the job's first rows admitted: a program's inputs
     take their shapes from the rows' state and their sampling flags from the rows' parameters."""
-    target.verify_widths = plan.verify_widths
     sampling = SamplingTensors.from_params(target.batch.params, target.device)
+    target.verify_widths = plan.verify_widths
+    if isinstance(draft.drafter, DraftModelDrafter):
+        draft.drafter.draft_widths = plan.draft_ks
+    _capture_verifies(target, plan, sampling)
+    _capture_drafts(draft.drafter, plan, sampling, len(target.batch))
+
+
+def _capture_verifies(target: TargetSide, plan: CapturePlan, sampling: SamplingTensors) -> None:
+    """The target's verify of each width of the plan (TargetSide.verify_program), fed zero drafts."""
     runner = target.rows.runner
-    if isinstance(runner, StaticRunner) and runner.graphs is not None and target._programs:
-        K = max(plan.verify_widths)
-        runner.reserve(plan.rows, attend_bucket(plan.max_length + 1 + K))
-        target._sampling = sampling
-        B, V = len(target.batch), target.vocab_size
-        for width in plan.verify_widths:
-            ids = torch.zeros(B, width, dtype=torch.int64, device=target.device)
-            proposal = Proposal(ids, ids.new_zeros(B), torch.zeros(B, width, V, device=target.device), (0,) * B,
-                                one_hot=sampling.all_greedy)
-            inputs, flags = target.verify_inputs(proposal, width)
-            program = ("verify", inputs[0].shape[1], width, *flags)
-            fn = target.program_fn(width, flags)
-            _capture_all(runner, plan, program, fn, inputs, inputs[0].shape[1] + width)
-    drafter = draft.drafter
-    if isinstance(drafter, DraftModelDrafter):
-        drafter.draft_widths = plan.draft_ks
-        runner = drafter.rows.runner
-        if plan.draft_ks and isinstance(runner, StaticRunner) and runner.graphs is not None:
-            K = max(plan.draft_ks)
-            runner.reserve(plan.rows, attend_bucket(plan.max_length + PENDING + K))
-            drafter.reserve_probs(runner.cache.capacity[0], K)
-            for k in plan.draft_ks:
-                inputs = drafter.draft_inputs(k, sampling, torch.zeros(len(target.batch), k, device=target.device))
-                program, fn = drafter.program(k, sampling)
-                _capture_all(runner, plan, program, fn, inputs, PENDING + k - 1)
-            if plan.catch_up:
-                for width in CATCH_UP:
-                    chunk = torch.zeros(1, width, dtype=torch.int64, device=runner.device)
-                    _capture_all(runner, plan, ("feed", width), runner._feed_slots,
-                                 (chunk, chunk.bool(), chunk[:, 0]), width)
+    if not (isinstance(runner, StaticRunner) and runner.graphs is not None and target._programs):
+        return
+    runner.reserve(plan.rows, attend_bucket(plan.max_length + 1 + max(plan.verify_widths)))
+    target._sampling = sampling
+    B, V = len(target.batch), target.vocab_size
+    for width in plan.verify_widths:
+        ids = torch.zeros(B, width, dtype=torch.int64, device=target.device)
+        proposal = Proposal(ids, ids.new_zeros(B), torch.zeros(B, width, V, device=target.device), (0,) * B,
+                            one_hot=sampling.all_greedy)
+        inputs, flags = target.verify_inputs(proposal, width)
+        P = inputs[0].shape[1]
+        _capture_all(runner, plan, ("verify", P, width, *flags), target.program_fn(width, flags), inputs, P + width)
+
+
+def _capture_drafts(drafter: Drafter, plan: CapturePlan, sampling: SamplingTensors, rows: int) -> None:
+    """A draft model's K steps for each K of the plan (DraftModelDrafter.draft_program), and its
+    catch-up feeds."""
+    runner = getattr(getattr(drafter, "rows", None), "runner", None)
+    if not (plan.draft_ks and isinstance(runner, StaticRunner) and runner.graphs is not None):
+        return
+    K = max(plan.draft_ks)
+    runner.reserve(plan.rows, attend_bucket(plan.max_length + PENDING + K))
+    drafter.reserve_probs(runner.cache.capacity[0], K)
+    for k in plan.draft_ks:
+        inputs = drafter.draft_inputs(k, sampling, torch.zeros(rows, k, device=runner.device))
+        _capture_all(runner, plan, *drafter.program(k, sampling), inputs, PENDING + k - 1)
+    if plan.catch_up:
+        for width in CATCH_UP:
+            chunk = torch.zeros(1, width, dtype=torch.int64, device=runner.device)
+            _capture_all(runner, plan, *runner.feed_program(width), (chunk, chunk.bool(), chunk[:, 0]), width)
 
 
 def _capture_all(runner: StaticRunner, plan: CapturePlan, program: tuple, fn, inputs: Sequence[torch.Tensor],

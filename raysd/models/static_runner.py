@@ -223,7 +223,12 @@ class StaticRunner:
         cache, with no logits kept: a program (`run`), replayed from a graph when the runner has them."""
         assert chunks.shape[1] <= SMALL_CHUNK
         ones = torch.ones(chunks.shape[0], dtype=torch.int64, device=self.device)
-        self.run(("feed", chunks.shape[1]), self._feed_slots, (chunks, chunk_valid, ones), chunks.shape[1])
+        self.run(*self.feed_program(chunks.shape[1]), (chunks, chunk_valid, ones), chunks.shape[1])
+
+    def feed_program(self, T: int) -> tuple[tuple, Callable]:
+        """The key and function of `feed_only`'s program for chunks of T tokens per row; its inputs are
+        the chunk [R, T], its validity [R, T] and ones [R]."""
+        return ("feed", T), self._feed_slots
 
     def _feed_slots(self, attend: int, chunks, chunk_valid, ones) -> tuple:
         self.step_slots(attend, chunks, chunk_valid, ones, 1, keep=1)
