@@ -15,6 +15,9 @@
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
 #   compile   the 8B/1B step costs as CUDA graphs of the eager and the torch.compile'd step, against the floor
 #   bench-compiled  the engine with --cuda-graphs --compile (graphs of torch.compile's kernels) on the 8B/1B pair
+#   programs  the 8B/1B pair with every step a replay of a program captured before the first step (issue 68): plain,
+#             K = 4 and -k auto at a = 0.8, B = 1 8 32 64; per-step graph counters, host syncs, kernel time by kind
+#   programs-compiled  the same at B = 1 8 32 with torch.compile under the graphs: its compiles and their seconds
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine
 #   e2e-graphs  the same with --cuda-graphs on every side (engine, actors, raysd generate)
 #   smolbench SmolLM2 with its shipped (layers) draft, real acceptance
@@ -83,6 +86,14 @@ for s in "$@"; do
     bench-compiled)
         stage bench-compiled 360 python3 -m bench run gpu --cuda-graphs on --compile --runners graph compiled-graph \
             --batches 1 8 32 --rates 0.8 --reps 10 --warmup 3 --new-tokens 64 --out "$out/gpu_8b_1b_compiled.json"
+        ;;
+    programs)
+        stage programs 330 python3 -m bench run gpu --cuda-graphs on --runners graph --batches 1 8 32 64 --rates 0.8 --auto \
+            --kernels --count-syncs --reps 10 --warmup 2 --new-tokens 64 --out "$out/gpu_8b_1b_programs.json"
+        ;;
+    programs-compiled)
+        stage programs-compiled 420 python3 -m bench run gpu --cuda-graphs on --compile --runners graph --batches 1 8 32 \
+            --rates 0.8 --reps 10 --warmup 2 --new-tokens 64 --out "$out/gpu_8b_1b_programs_compiled.json"
         ;;
     e2e)
         stage e2e 200 python3 -m bench run fast_step --device cuda --batch-sizes 32 --drafters none,draft:4,draft:auto \

@@ -147,8 +147,10 @@ def engine_run(target_dir, draft, k, batch, prompts, a) -> dict:
     device = torch.device(a.device)
     drafter = (NoDrafter(V, device) if draft == "none" else NgramDrafter(V, device) if draft == "ngram" else SuffixDrafter(V)
                if draft == "suffix" else DraftModelDrafter(load_model(ModelSpec(draft, spec.dtype, device=a.device)), V,
-                                                          cuda_graphs=a.cuda_graphs))
-    engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch, cuda_graphs=a.cuda_graphs))
+                                                          cuda_graphs=a.cuda_graphs, compile=False))
+    # as the job's: graphs as --cuda-graphs says, no torch.compile (raysd generate's --compile)
+    engine = SpecEngine(target, drafter, EngineConfig(cfg.speculation, max_batch_size=batch, cuda_graphs=a.cuda_graphs,
+                                                      compile=False))
     loaded = time.perf_counter()
     with torch.inference_mode():
         results = engine.generate(requests(prompts, a.max_new_tokens))

@@ -25,8 +25,14 @@ the physical one (docs/contributing/gpu_runbook.md). Shapes: `--pair random` bui
 the device ("8b": Llama-3-8B, "1b": Llama-3.2-1B); `--pair smollm2` loads SmolLM2-135M-Instruct and
 its first --draft-layers layers (or --draft-model) and prompts from examples/prompts.jsonl.
 
+Each engine variant's runs also carry what its steps' forwards did (graph replays per step, forwards run
+eagerly and graphs captured during the run, bytes read per step and per second of stepping, the K -k auto
+chose) and its start-up (captures, torch.compile's compiles and their seconds). `--auto` adds a -k auto
+variant at each rate; `--kernels` the target's decode and verify forwards' GPU time by kernel kind.
+
     python -m bench run gpu --quick                                   # CPU smoke run
     python -m bench run gpu --ray --out $OUT/gpu_8b_1b                # on a GPU: 8B/1B, B 1 8 32 64, a .6 .8 .9
+    python -m bench run gpu --cuda-graphs on --runners graph --auto --kernels --count-syncs --rates 0.8  # issue 68
 Writes the result JSON and, beside it, a .md with the table.
 """
 
@@ -45,8 +51,8 @@ import torch
 from bench.environment import ROOT
 from bench.harness import Outcome, Variant, run_variants, summary
 from bench.measure import Counts, decode_tokens_per_s, figures
-from bench.scenarios.gpu_parts import (DTYPES, build_random_llama, ceilings, count_syncs, floor_step_s, load_named,
-                                       load_smollm2, sync, time_forward, truncated, truncated_smollm2)
+from bench.scenarios.gpu_parts import (DTYPES, build_random_llama, ceilings, count_syncs, floor_step_s, kernel_times,
+                                       load_named, load_smollm2, sync, time_forward, truncated, truncated_smollm2)
 
 CUDA = torch.cuda.is_available()
 QUICK = {"target_shape": "tiny-target", "draft_shape": "tiny-draft", "pair": "random", "batches": [1, 8], "prompt_len": 16,
@@ -77,6 +83,9 @@ def add_arguments(p) -> None:
                    help="the graphed variants' forwards through torch.compile (EngineConfig/DraftModelDrafter compile)")
     g.add_argument("--steps-only", action="store_true", help="the ceilings and the runners' step costs only: no generation")
     g.add_argument("--count-syncs", action="store_true", help="count host synchronisations per engine step (CUDA)")
+    g.add_argument("--auto", action="store_true", help="also -k auto (learned costs, the device's crossover) at each rate")
+    g.add_argument("--kernels", action="store_true",
+                   help="the target's decode and K + 1 verify forwards' kernel time by kind (GEMM, attention, copies, ...)")
     g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2], help="a split replica's (a colocated one runs 1)")
     g.add_argument("--shapes", nargs="+", default=["colocated", "split"], choices=["colocated", "split"])
     g.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="both" if CUDA else "off",
@@ -120,10 +129,12 @@ def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, prompts=N
     return [Request(i, torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params[i]) for i in range(batch)]
 
 
-def speculation(k: int, rate: str, eos=()):
-    from raysd.core.speculation import SpeculationConfig
+def speculation(k: int, rate: str, eos=(), auto: bool = False):
+    """K drafts (under `auto`, -k auto's controller with learned costs, up to K), at acceptance `rate`."""
+    from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
 
-    return SpeculationConfig(k, acceptance="exact" if rate == "real" else f"synthetic:{rate}", eos_token_ids=eos)
+    return SpeculationConfig(k, acceptance="exact" if rate == "real" else f"synthetic:{rate}", eos_token_ids=eos,
+                             adaptive=AdaptiveConfig() if auto else None)
 
 
 def decode_run(generate, make) -> dict:
@@ -133,19 +144,22 @@ def decode_run(generate, make) -> dict:
 
 
 def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool = False, engines: dict | None = None,
-                    compile: bool = False) -> dict:
+                    compile: bool = False, auto: bool = False) -> dict:
     """One SpecEngine.generate. With `engines`, the variant's engine is made on its first run and kept
     for the next (its warm-up's, then the timed ones), as a job's replica keeps one: the CUDA graphs it
-    captured (per shape, the second time the shape is seen) are replayed, not captured again."""
+    captured (every program its steps replay, before its first step) are replayed, not captured again.
+    Beside the rates: the run's steps, what their forwards did (graph replays, eager forwards and
+    captures during the run: 0 and 0 in steady state) and the bytes they read per step and per second
+    of stepping; and the engine's start-up so far (captures, their seconds, torch.compile's compiles)."""
     from raysd.engine.engine import EngineConfig, SpecEngine
 
-    key = (k, batch, rate, graphs, compile)
+    key = (k, batch, rate, graphs, compile, auto)
     engine = None if engines is None else engines.get(key)
     if engine is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the synthetic-acceptance warning: the variant says so
-            engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate), max_batch_size=batch, cuda_graphs=graphs,
-                                                                compile=compile))
+            engine = SpecEngine(target, drafter(), EngineConfig(speculation(k, rate, auto=auto), max_batch_size=batch,
+                                                                cuda_graphs=graphs, compile=compile))
         if engines is not None:
             engines[key] = engine
     before = dataclasses.replace(engine.timings)
@@ -154,8 +168,17 @@ def engine_generate(target, drafter, k, batch, rate, device, reqs, graphs: bool 
     results = engine.generate(reqs)
     sync(device)
     t = engine.timings
+    steps, stepping_s = t.steps - before.steps, (t.draft_s - before.draft_s) + (t.verify_s - before.verify_s)
+    bytes_read = t.bytes_read - before.bytes_read
+    chosen = {} if engine.k_controller is None else {f"k{k}": n for (k, _), n in sorted(engine.k_controller.chosen.items())}
     return figures(Counts.of_results(results), time.perf_counter() - start, timed="SpecEngine.generate",
-                   draft_s=t.draft_s - before.draft_s, verify_s=t.verify_s - before.verify_s)
+                   draft_s=t.draft_s - before.draft_s, verify_s=t.verify_s - before.verify_s, steps=steps,
+                   graph_replays_per_step=(t.graph_replays - before.graph_replays) / max(steps, 1),
+                   eager_forwards=t.eager_forwards - before.eager_forwards,
+                   run_captures=t.graph_captures - before.graph_captures,
+                   bytes_per_step=bytes_read / max(steps, 1), read_tb_s=bytes_read / stepping_s / 1e12 if stepping_s else None,
+                   startup_captures=t.graph_captures, startup_capture_s=t.capture_s, startup_compiles=t.compiles,
+                   startup_compile_s=t.compile_s, k_chosen=chosen)
 
 
 def ray_variants(a, target_factory, draft_factory, V, prompts, baselines: dict, log) -> tuple[list[Variant], dict]:
@@ -210,14 +233,15 @@ def run(a, log=print) -> Outcome:
     ceiling = ceilings(device)  # measured in this run, before the models' steps
     if ceiling:
         log(f"ceilings: bf16 matmul {ceiling['bf16_tflops']:.0f} TFLOP/s, copy {ceiling['copy_tb_s']:.2f} TB/s")
-    steps, syncs, variants, baselines, errors = {}, {}, [], {}, {}
+    steps, syncs, kernels, variants, baselines, errors = {}, {}, {}, [], {}, {}
     engines = {}  # one engine per variant, kept across its runs (engine_generate)
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[a.cuda_graphs]
     if True in graph_modes:  # a first graphed run on this device: if capture fails, the eager figures still come
         try:
             smoke = requests(2, a.prompt_len, 8, V, prompts)
             engine_generate(target, lambda: NoDrafter(V, device), 0, 2, "real", device, smoke, graphs=True)
-            engine_generate(target, lambda: DraftModelDrafter(draft, V, cuda_graphs=True), K, 2, "real", device, smoke, graphs=True)
+            engine_generate(target, lambda: DraftModelDrafter(draft, V, cuda_graphs=True, compile=False), K, 2, "real", device, smoke,
+                            graphs=True)
         except Exception as e:
             errors["cuda_graphs"] = f"{type(e).__name__}: {e}"[:500]
             log(f"CUDA graphs FAILED, graphed variants left out: {errors['cuda_graphs']}")
@@ -237,8 +261,14 @@ def run(a, log=print) -> Outcome:
                                   for k, s in steps[B].items()))
         if a.steps_only:
             continue
+        if a.kernels and CUDA:
+            kernels[B] = {f"target_{w}": kernel_times(target, B, ctx, w, V) for w in (1, K + 1)}
+            log(f"B={B} kernels: " + "; ".join(f"{name}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in k["ms_by_kind"].items())
+                                              for name, k in kernels[B].items()))
         if a.count_syncs:
-            syncs[B] = count_syncs(target, draft, V, K, B, lambda n, B=B: requests(B, a.prompt_len, n, V, prompts), device)
+            syncs[B] = {f"{'graphs' if g else 'eager'}": count_syncs(target, draft, V, K, B,
+                                                                    lambda n, B=B: requests(B, a.prompt_len, n, V, prompts), device, g)
+                        for g in graph_modes}
         make = functools.partial(lambda n, B: requests(B, a.prompt_len, n or a.new_tokens, V, prompts), B=B)
         baselines[B] = f"AR, B={B}"
         for graphs in graph_modes:
@@ -251,11 +281,14 @@ def run(a, log=print) -> Outcome:
                                     functools.partial(decode_run, ar, make), None if ar_name == baselines[B] else baselines[B],
                                     functools.partial(ar, make(4))))
             for rate in a.rates:
-                sd = functools.partial(engine_generate, target, lambda g=graphs, c=compiled: DraftModelDrafter(draft, V, cuda_graphs=g, compile=c),
-                                       K, B, rate, device, graphs=graphs, engines=engines, compile=compiled)
-                variants.append(Variant(f"raysd{tag} a={rate}, B={B}", {"side": "engine", "batch": B, "k": K, "rate": rate,
-                                                                         "graphs": graphs, "compile": compiled},
-                                        functools.partial(decode_run, sd, make), ar_name, functools.partial(sd, make(4))))
+                for auto in (False, True) if a.auto else (False,):
+                    sd = functools.partial(engine_generate, target,
+                                           lambda g=graphs, c=compiled: DraftModelDrafter(draft, V, cuda_graphs=g, compile=c),
+                                           K, B, rate, device, graphs=graphs, engines=engines, compile=compiled, auto=auto)
+                    name = f"raysd{tag}{' auto' if auto else ''} a={rate}, B={B}"
+                    variants.append(Variant(name, {"side": "engine", "batch": B, "k": K, "rate": rate, "graphs": graphs,
+                                                   "compile": compiled, "auto": auto},
+                                            functools.partial(decode_run, sd, make), ar_name, functools.partial(sd, make(4))))
     _, runs = run_variants(variants, a.repeats, ratio_keys=("decode_tokens_per_s",), log=log)
     params = {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters())}
     target_config, target_element = target.config, next(target.parameters()).element_size()
@@ -292,7 +325,7 @@ def run(a, log=print) -> Outcome:
     bounds = []
     for v in summaries:
         st = v["settings"]
-        if st.get("side") != "engine" or not st["k"]:
+        if st.get("side") != "engine" or not st["k"] or st.get("auto"):  # -k auto's K varies: no one E
             continue
         t1, tk, td = (timed(st)[x]["median_s"] for x in ("target_1", "target_k1", "draft"))
         rate, B = st["rate"], st["batch"]
@@ -305,6 +338,7 @@ def run(a, log=print) -> Outcome:
     env = {"device": torch.cuda.get_device_name(0) if CUDA else "cpu", **params}
     extra = {"env": env, "ceilings": ceiling, "floors": floors, "step_floors": step_floors, "runner_errors": errors,
              "step_costs": {str(b): s for b, s in steps.items()}, "host_syncs": {str(b): s for b, s in syncs.items()},
+             "kernels": {str(b): k for b, k in kernels.items()},
              "bounds": bounds}
     return Outcome(summaries, extra, markdown=markdown(a, env, summaries, bounds, floors, ceiling))
 

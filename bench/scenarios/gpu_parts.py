@@ -193,9 +193,11 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
     return {"median_s": statistics.median(timer.samples), "spread": timer.spread, "reps": reps, "runner": runner_kind}
 
 
-def count_syncs(target, draft, V: int, K: int, batch: int, requests, device) -> dict:
-    """Host synchronisations per engine step (CUDA only): torch warns on each synchronising CUDA
-    call under set_sync_debug_mode("warn"); counted over a short greedy generation."""
+def count_syncs(target, draft, V: int, K: int, batch: int, requests, device, graphs: bool = False) -> dict:
+    """Host synchronisations per engine step (CUDA only): torch warns on each synchronising CUDA call
+    under set_sync_debug_mode("warn"), counted inside each step (admission, prefill and the capture
+    before the first step left out), over a short greedy generation. `graphs`: the engine's CUDA graphs
+    (uncompiled), whose programs must add none."""
     from raysd.core.speculation import SpeculationConfig
     from raysd.engine.drafters import DraftModelDrafter, NoDrafter
     from raysd.engine.engine import EngineConfig, SpecEngine
@@ -203,19 +205,81 @@ def count_syncs(target, draft, V: int, K: int, batch: int, requests, device) -> 
     if device.type != "cuda":
         return {}
     out = {}
-    for name, make in (("ar", lambda: NoDrafter(V, device)), ("raysd", lambda: DraftModelDrafter(draft, V))):
+    for name, make in (("ar", lambda: NoDrafter(V, device)),
+                       ("raysd", lambda: DraftModelDrafter(draft, V, cuda_graphs=graphs, compile=False))):
         k = 0 if name == "ar" else K
-        engine = SpecEngine(target, make(), EngineConfig(SpeculationConfig(k), max_batch_size=batch))
-        engine.generate(requests(1))  # admission and prefill syncs not counted below
-        engine.timings.steps = 0
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                engine.generate(requests(16))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-        out[name] = {"syncs": syncs, "steps": engine.timings.steps, "syncs_per_step_incl_prefill": syncs / max(engine.timings.steps, 1)}
+        engine = SpecEngine(target, make(), EngineConfig(SpeculationConfig(k), max_batch_size=batch, cuda_graphs=graphs,
+                                                         compile=False))
+        engine.generate(requests(1))  # first calls (and, with graphs, the captures) not counted below
+        per_step, step = [], engine.step
+
+        def counted_step(step=step, per_step=per_step):
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    verdict = step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            per_step.append(sum("synchroniz" in str(w.message) for w in caught))
+            return verdict
+
+        engine.step = counted_step
+        engine.generate(requests(16))
+        out[name] = {"steps": len(per_step), "syncs_per_step": sum(per_step) / max(len(per_step), 1),
+                     "max_syncs_in_a_step": max(per_step, default=0)}
     return out
+
+
+KERNEL_KINDS = (  # substrings of a CUDA kernel's name, the first match naming its kind
+    ("attention", ("fmha", "flash", "attention", "attn", "efficient")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_xmma", "sm80_xmma", "splitk", "matmul", "mm_")),
+    ("copy", ("copy", "scatter", "gather", "index", "cat", "fill", "memset", "memcpy")),
+    ("softmax/norm", ("softmax", "norm", "reduce")),
+)
+
+
+def kernel_times(model, batch: int, context: int, width: int, vocab: int, reps: int = 5) -> dict:
+    """Where one forward's GPU time goes (CUDA only): `width` tokens per row appended to `batch` rows of
+    `context` cached tokens through the static runner, eagerly (the kernels a graph replays; launch gaps
+    aside), profiled over `reps` forwards. Returns milliseconds per forward by kind (KERNEL_KINDS, else
+    "other"), the ten longest kernels, and the bytes the runner counts such a forward reading."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from raysd.models.static_runner import StaticRunner
+
+    if not torch.cuda.is_available():
+        return {}
+    runner = StaticRunner(model, max_cache_len=context + 2 * width + 8)
+    device = runner.device
+    g = torch.Generator().manual_seed(0)
+    runner.add_rows(batch)
+    prompt = torch.randint(3, vocab, (batch, context), generator=g).to(device)
+    runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(batch, dtype=torch.int64, device=device))
+    chunk = torch.randint(3, vocab, (batch, width), generator=g).to(device)
+    valid, num = torch.ones_like(chunk, dtype=torch.bool), torch.full((batch,), width, dtype=torch.int64, device=device)
+    back = torch.full((batch,), context, dtype=torch.int64, device=device)
+    for _ in range(2):  # warm-up
+        runner.forward(chunk, valid, num, max_logits=width)
+        runner.rollback(back, context)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            runner.forward(chunk, valid, num, max_logits=width)
+            runner.rollback(back, context)
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if not us or e.key.startswith("ProfilerStep"):
+            continue
+        name = e.key.lower()
+        kind = next((k for k, subs in KERNEL_KINDS if any(s in name for s in subs)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3 / reps
+        kernels.append((us / 1e3 / reps, e.key[:90]))
+    attended = runner._attended(context + width)
+    return {"ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "ms_total": sum(by_kind.values()),
+            "top": [{"ms": round(ms, 4), "kernel": k} for ms, k in sorted(kernels, reverse=True)[:10]],
+            "bytes_per_forward": runner.bytes_per_forward(batch, attended), "attended": attended}

@@ -318,6 +318,9 @@ class SpecCoordinator:
         stats.steps += timings.steps
         stats.drafted_steps += timings.drafted_steps
         stats.borrowed_steps += timings.borrowed_steps
+        stats.graph_replays += timings.graph_replays
+        stats.eager_forwards += timings.eager_forwards
+        stats.graph_captures += timings.graph_captures
         stats.draft_s += timings.draft_s
         stats.verify_s += timings.wall_s - (timings.draft_s if self.draft is None else 0.0)  # a colocated call drafts too
         stats.last_step_at = time.time()

@@ -29,7 +29,8 @@ class Acceptance:
     - `relaxed` (LOSSY): verify against (1 - value) target_probs + value draft_probs (Yin et al.
       2024, arXiv 2411.00841): total variation value x TV(target, draft) per drafted position.
     - `synthetic` (capacity planning, NOT the target's distribution): each draft is accepted with
-      probability `value`, whatever the models say, so steps cost what they would at that rate.
+      probability `value`, whatever the models say, so steps cost what they would at that rate; the
+      rows' acceptance evidence (their overlaps, what `-k auto` plans from) is that rate too.
 
     Written as text `exact`, `relaxed:LAMBDA` or `synthetic:RATE` (`parse`, `str`)."""
 
@@ -129,10 +130,16 @@ class AdaptiveConfig:
     overlapped: bool = False  # draft and target in separate actors, overlapped
     prior_alpha: float = 0.5  # what a row with no history is assumed to accept
     prior_weight: float = 4.0  # pseudo tested positions behind the prior
+    # Learned costs: the tokens per target forward (rows x tokens per row) past which a forward is
+    # compute-bound on this device (a GPU's ridge point; raysd.models.profile.crossover_tokens). A verify
+    # width not timed yet is then costed by the roofline from the plain step's time; None: no prior.
+    crossover_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0:
             raise ValueError("prior_alpha must be in [0, 1] and prior_weight > 0")
+        if self.crossover_tokens is not None and self.crossover_tokens <= 0:
+            raise ValueError(f"crossover_tokens must be > 0, got {self.crossover_tokens}")
 
 
 @dataclass(frozen=True)

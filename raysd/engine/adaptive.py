@@ -73,7 +73,9 @@ class KController:
             raise ValueError(f"a tree budget needs step costs up to K = {tree_budget}, got costs up to {config.costs.k_max}")
         self.config = config
         # Measured beforehand (a profile), or learned from the steps as they run.
-        self.costs = config.costs if config.costs is not None else LearnedStepCosts(max(depth, tree_budget, 1))
+        self.costs = (config.costs if config.costs is not None
+                      else LearnedStepCosts(max(depth, tree_budget, 1), crossover_tokens=config.crossover_tokens))
+        self.ks: tuple[int, ...] | None = None  # the chain lengths a step may draft (those captured as graphs); None: any
         self.overlap_sum = 0.0
         self.num_tested_positions = 0
         self.trees = [_TreeCandidate(P, tree_shape(P, depth)) for P in tree_budgets(tree_budget)]
@@ -104,7 +106,7 @@ class KController:
 
     def choose_k_from(self, overlap_sums: Sequence[float], tested: Sequence[int], budgets: Sequence[int]) -> int:
         """choose_k from the rows' statistics as arrays (the engine's Batch)."""
-        return choose_k(self._alphas(overlap_sums, tested), budgets, self.config, self.costs)
+        return choose_k(self._alphas(overlap_sums, tested), budgets, self.config, self.costs, self.ks)
 
     def choose_plan_from(self, overlap_sums: Sequence[float], tested: Sequence[int],
                          budgets: Sequence[int]) -> tuple[int, int]:
@@ -115,7 +117,7 @@ class KController:
         self._settled = False
         if self._plain_to_time(len(alphas)):
             return 0, 0
-        plan = (choose_k(alphas, budgets, self.config, self.costs), 0)
+        plan = (choose_k(alphas, budgets, self.config, self.costs, self.ks), 0)
         if self.trees and len(alphas):
             best = self.goodput(alphas, budgets, *plan)
             a, caps, rates = np.clip(np.asarray(alphas, dtype=np.float64), 0.0, 1.0), np.asarray(budgets), self.rank_rates()
@@ -262,6 +264,8 @@ class KController:
         c = self.calibration
         best_k, best = 0, B / step_seconds(self.costs, B, 0, self.config.overlapped)
         for k in range(1, min(self.costs.k_max, int(caps.max(initial=0))) + 1):
+            if self.ks is not None and k not in self.ks:
+                continue
             goodput = (B + c * cumulative[:, k - 1].sum()) / step_seconds(self.costs, B, k, self.config.overlapped)
             if goodput > best:
                 best_k, best = k, goodput
@@ -435,15 +439,17 @@ def num_micro_batches(costs: StepCosts, batch_size: int, k: int) -> int:
 
 
 def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveConfig,
-             costs: StepCosts | LearnedStepCosts | None = None) -> int:
-    """The K in 0..K_max with the highest expected goodput for this batch (`costs`: the config's
-    profile by default)."""
+             costs: StepCosts | LearnedStepCosts | None = None, ks: Sequence[int] | None = None) -> int:
+    """The K in 0..K_max (and in `ks`, when given: the lengths a step may draft) with the highest
+    expected goodput for this batch (`costs`: the config's profile by default)."""
     costs = config.costs if costs is None else costs
     B = len(alphas)
     best_k, best = 0, B / step_seconds(costs, B, 0, config.overlapped)
     k_max = min(costs.k_max, max(budgets, default=0))
     tokens = expected_tokens_batch(alphas, budgets, k_max) if k_max > 0 else None  # [k_max + 1]
     for k in range(1, k_max + 1):
+        if ks is not None and k not in ks:
+            continue
         goodput = tokens[k] / step_seconds(costs, B, k, config.overlapped)
         if goodput > best:
             best_k, best = k, goodput
@@ -462,12 +468,19 @@ class LearnedStepCosts:
     - a draft forward: free until a drafting step has been timed.
     KController starts each bucket with a plain step (`knows`), whose cost every plan is weighed
     against; a drafting step is then chosen only where, at the costs known so far, it pays. A job
-    thus explores each width it might choose once per bucket, and then decides on measured costs."""
+    thus explores each width it might choose once per bucket, and then decides on measured costs.
 
-    def __init__(self, k_max: int, decay: float = 0.25):
+    With `crossover_tokens` N* (the device's ridge: a forward over more tokens than that, rows times
+    tokens per row, is compute-bound) a width not timed yet in a bucket is costed by the roofline
+    from the bucket's plain step instead: T(B, w) = T(B, 1) max(1, B w / N*) / max(1, B / N*), never
+    below what the timed widths say (Williams, Waterman and Patterson 2009, "Roofline"). At a large
+    batch a wide verify is then known to cost more before it is tried (a GPU's verify of B (K + 1)
+    tokens turns compute-bound near N*: K = 4 pays up to a few tens of rows, less beyond)."""
+
+    def __init__(self, k_max: int, decay: float = 0.25, crossover_tokens: float | None = None):
         if k_max < 1 or not 0.0 < decay <= 1.0:
             raise ValueError(f"need k_max >= 1 and decay in (0, 1], got {k_max}, {decay}")
-        self.k_max, self.decay = k_max, decay
+        self.k_max, self.decay, self.crossover_tokens = k_max, decay, crossover_tokens
         self.verify: dict[int, dict[int, float]] = {}  # bucket -> width -> seconds
         self.draft_forward: dict[int, float] = {}  # bucket -> seconds of one draft forward
         self.seen: Counter[tuple[int, int]] = Counter()  # (bucket, width) -> steps timed (width 0: a draft forward)
@@ -521,9 +534,20 @@ class LearnedStepCosts:
         if not table:
             return 1.0  # nothing timed anywhere: every plan costs the same until a step is
         w = k + 1
-        widths = sorted(table)
         if w in table:
             return table[w]
+        if self.crossover_tokens is None or 1 not in table:
+            return self._untimed(table, w)
+        B, N = batch_size, self.crossover_tokens
+        roofline = table[1] * max(1.0, B * w / N) / max(1.0, B / N)
+        # within what the timed widths say: no less than a narrower one, no more than a wider one
+        low = max((t for x, t in table.items() if x < w), default=0.0)
+        high = min((t for x, t in table.items() if x > w), default=math.inf)
+        return min(max(roofline, low), max(high, low))
+
+    def _untimed(self, table: dict[int, float], w: int) -> float:
+        """A width not timed in this bucket, from the widths that were (no device model)."""
+        widths = sorted(table)
         below = [x for x in widths if x < w]
         above = [x for x in widths if x > w]
         if below and above:

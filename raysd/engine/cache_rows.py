@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from raysd.core.device import host_to_device, padded_rows
@@ -87,26 +88,56 @@ class CacheRows:
         B, E = extra.shape
         lengths = [len(p) for p in self.pending]
         P = max(lengths, default=0)
-        pend = _left_aligned(self.pending, P, self.device) if P else extra[:, :0]  # [B, P]
         full = P + E > 0 and min(lengths, default=0) == P and (E == 0 or (host_counts is not None and min(host_counts) == E))
         if full:  # every row feeds P pending and E extra tokens (a decode or draft step): nothing to align
+            pend = _left_aligned(self.pending, P, self.device) if P else extra[:, :0]  # [B, P]
             ids = torch.cat([pend, extra], dim=1) if P and E else (pend if P else extra)  # [B, P + E]
             valid = torch.ones(B, P + E, dtype=torch.bool, device=self.device)
-        else:  # right-align each row's pending tokens and its real extra tokens
-            plen = host_to_device(lengths, torch.int64, self.device)  # [B]
-            combined = torch.cat([pend, extra], dim=1)  # [B, P + E]
-            total = plen + extra_counts  # [B] real tokens per row
-            W = P + E
-            offset = torch.arange(W, device=self.device)[None, :] - (W - total)[:, None]  # [B, W] index into the row
-            source = torch.where(offset < plen[:, None], offset, P + offset - plen[:, None]).clamp(0, max(W - 1, 0))
-            valid = offset >= 0
-            ids = torch.where(valid, combined.gather(1, source), 0)
+        else:
+            ids, valid = right_align(*self.pending_inputs(), extra, extra_counts)
         logits = self.runner.forward(ids, valid, num_logits, max_logits)
-        self.cached = [c + len(p) for c, p in zip(self.cached, self.pending)]
-        self.pending = [[] for _ in range(B)]
-        if E:
-            self._spec.append((extra, extra_counts, host_counts))
+        self.mark_fed(extra, extra_counts, host_counts)
         return logits
+
+    def pending_inputs(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's pending tokens on the device, [B, P] on the left (0-padded; P the most any row
+        has, or `width`, at least that), and [B] how many: what `right_align` takes."""
+        lengths = [len(p) for p in self.pending]
+        P = max(lengths, default=0) if width is None else width
+        assert P >= max(lengths, default=0), (P, lengths)
+        return _left_aligned(self.pending, P, self.device), host_to_device(lengths, torch.int64, self.device)
+
+    def mark_fed(self, extra: torch.Tensor, extra_counts: torch.Tensor, host_counts: Sequence[int] | None) -> None:
+        """After a forward over every row's pending tokens then its first extra_counts[b] of `extra`
+        ([B, E]; host_counts: the same on the host, if known): they are in the cache now, the
+        extra ones speculative until `commit`."""
+        self.cached = [c + len(p) for c, p in zip(self.cached, self.pending)]
+        self.pending = [[] for _ in self.pending]
+        if extra.shape[1]:
+            self._spec.append((extra, extra_counts, host_counts))
+
+    def catch_up(self, keep: int, piece: int = 16, short: int = 4) -> None:
+        """Feed each row's pending tokens but its last `keep` (a drafter's rows after plain steps,
+        whose tokens it was not fed), in forwards of `short` columns when every row's fit, else of
+        `piece` columns each (the tokens right-aligned over the pieces, the first piece left-padded):
+        a few fixed widths, which a runner with CUDA graphs replays, whatever the rows hold. Their
+        logits are not kept. The last `keep` stay pending."""
+        older = [p[: len(p) - keep] for p in self.pending]
+        n = max(map(len, older), default=0)
+        if n == 0:
+            return
+        width = short if n <= short else -(-n // piece) * piece
+        ids_host, valid_host = padded_rows(older, width, right_aligned=True)  # [B, width]
+        ids, valid = host_to_device(ids_host, torch.int64, self.device), host_to_device(valid_host, torch.bool, self.device)
+        fed = np.asarray(self.cached, dtype=np.int64)  # [B] each row's cached tokens as the pieces go in
+        step = min(piece, width)
+        for start in range(0, width, step):
+            cols = slice(start, start + step)
+            self.runner.feed_only(ids[:, cols], valid[:, cols])
+            fed += valid_host[:, cols].sum(axis=1)
+            self.runner.know_longest(int(fed.max()))  # the host counted: the next piece attends no wider than needed
+        self.cached = [c + len(o) for c, o in zip(self.cached, older)]
+        self.pending = [p[len(o):] for p, o in zip(self.pending, older)]
 
     def replace_speculative(self, tokens: torch.Tensor, host_counts: Sequence[int]) -> None:
         """Declare what the cache holds past each row's committed tokens: `tokens[b, :host_counts[b]]`
@@ -195,6 +226,29 @@ class CacheRows:
             for b, (row, n) in enumerate(zip(ids.tolist(), counts.tolist())):
                 rows[b].extend(row[:n])
         return rows
+
+
+def right_align(pending: torch.Tensor, num_pending: torch.Tensor, extra: torch.Tensor,
+                extra_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pending tokens then its real extra tokens, right-aligned, on the device with no host
+    read: the chunk a runner's forward takes.
+
+    Args:
+        pending: [B, P] each row's pending tokens on the left (CacheRows.pending_inputs).
+        num_pending: [B] how many.
+        extra: [B, E] speculative tokens, each row's first extra_counts[b] real.
+        extra_counts: [B].
+    Returns:
+        [B, P + E] token ids (0 where padding) and their validity.
+    """
+    P, E = pending.shape[1], extra.shape[1]
+    W = P + E
+    combined = torch.cat([pending, extra], dim=1)  # [B, P + E]
+    total = num_pending + extra_counts  # [B] real tokens per row
+    offset = torch.arange(W, device=extra.device)[None, :] - (W - total)[:, None]  # [B, W] index into the row
+    source = torch.where(offset < num_pending[:, None], offset, P + offset - num_pending[:, None]).clamp(0, max(W - 1, 0))
+    valid = offset >= 0
+    return torch.where(valid, combined.gather(1, source), 0), valid
 
 
 def _left_aligned(rows: Sequence[Sequence[int]], width: int, device) -> torch.Tensor:

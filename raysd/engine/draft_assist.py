@@ -113,7 +113,9 @@ class DraftAssistDrafter(DraftModelDrafter):
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model+ngram",
                  draft_top_m: int = 0, runner: str = "auto", assist_k: int = 4,
                  assist_adaptive: AdaptiveConfig | None = None, min_ngram: int = 1, max_ngram: int = 3):
-        super().__init__(model, target_vocab_size, name=name, draft_top_m=draft_top_m, runner=runner)
+        # Its middle steps feed widths of their own: eager, not from graphs.
+        super().__init__(model, target_vocab_size, name=name, draft_top_m=draft_top_m, runner=runner, cuda_graphs=False,
+                         compile=False)
         self.supports_trees = False
         if not 0 <= assist_k <= 64:
             raise ValueError(f"assist_k must be in 0..64, got {assist_k}")

@@ -8,9 +8,10 @@ makes the output exact for any drafter.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ import torch
 from raysd.core.device import host_to_device
 from raysd.core.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 from raysd.core.tree_shape import TreeShape
-from raysd.engine.cache_rows import CacheRows
+from raysd.engine.cache_rows import CacheRows, right_align
+from raysd.models.cuda_graphs import GraphCounts
 from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import max_model_len, output_vocab_size
@@ -27,6 +29,8 @@ from raysd.models.static_runner import StaticRunner, prefill_groups
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
     from transformers import PreTrainedModel
+
+PENDING = 2  # a draft program's pending tokens per row: one, or two after a step that accepted every draft
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int, name: str = "draft-model", draft_top_m: int = 0,
-                 runner: str = "auto", cuda_graphs: bool = False, compile: bool = False):
+                 runner: str = "auto", cuda_graphs: bool | None = None, compile: bool | None = None):
         if draft_top_m < 0:
             raise ValueError(f"draft_top_m must be >= 0 (0 disables), got {draft_top_m}")
         self.name = name
@@ -143,13 +147,18 @@ class DraftModelDrafter(Drafter):
         own_vocab = output_vocab_size(model)
         # Drafts outside the target's vocabulary could never be accepted; a narrower
         # draft vocabulary gets zero probability on the target's extra tokens.
-        # cuda_graphs: the draft's one-token forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
-        # compile: through torch.compile (StaticRunner), the graphs then capturing the compiled kernels.
+        # cuda_graphs: the draft's K steps replayed as one CUDA graph (raysd.models.cuda_graphs); compile: its
+        # forwards through torch.compile (StaticRunner), the graphs then capturing the compiled kernels. None
+        # (the default): both on for the static runner on a CUDA device (raysd.models.runner.make_runner).
         self.rows = CacheRows(make_runner(model, runner, vocab_size=min(own_vocab, target_vocab_size), cuda_graphs=cuda_graphs,
                                           compile=compile))
         self.supports_trees = isinstance(self.rows.runner, StaticRunner)
         self.max_model_len = max_model_len(model)
         self._fed_depth = 0  # levels of the last proposed tree that the draft fed (its cache holds them)
+        # On the static runner: the K a step drafts is rounded up to one of these (the K whose programs
+        # were captured: `raysd.engine.graphs`); drafts past a row's max_drafts are never verified.
+        self.draft_widths: tuple[int, ...] = ()
+        self._probs: torch.Tensor | None = None  # [slots, K, V] where the draft program writes draft_probs
 
     def add_rows(self, prompts):
         self.rows.add_rows(prompts)
@@ -165,6 +174,8 @@ class DraftModelDrafter(Drafter):
         K = max(max_drafts, default=0)
         if K == 0:
             return Proposal.empty(B, self.target_vocab_size, device)
+        if isinstance(self.rows.runner, StaticRunner):
+            return self._propose_program(max_drafts, sampling, uniforms)
         ones = torch.ones(B, dtype=torch.int64, device=device)
         host_ones = (1,) * B
         logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
@@ -179,6 +190,75 @@ class DraftModelDrafter(Drafter):
         num = host_to_device(list(max_drafts), torch.int64, device)
         return Proposal(torch.stack(tokens, dim=1), num, torch.stack(probs, dim=1), tuple(int(k) for k in max_drafts),
                         one_hot=sampling.all_greedy)
+
+    def _propose_program(self, max_drafts: Sequence[int], sampling: SamplingTensors, uniforms: torch.Tensor) -> Proposal:
+        """`propose` on the static runner: the K draft forwards and their sampling as one program
+        (`draft_program`), replayed from one CUDA graph when the runner has graphs, with no host
+        read between the drafts. K is the largest max_drafts rounded up to a captured width
+        (`draft_widths`). A row's pending tokens but its last two (plain steps leave more) are fed
+        first (CacheRows.catch_up), so the program always starts from a chunk of two."""
+        B, device = len(max_drafts), self.rows.device
+        K = self.width(max(max_drafts))
+        self.rows.catch_up(keep=PENDING)
+        inputs = self.draft_inputs(K, sampling, uniforms)
+        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1, forwards=K)
+        host = (K - 1,) * B
+        self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
+        num = host_to_device(list(max_drafts), torch.int64, device)
+        return Proposal(tokens, num, probs, tuple(int(k) for k in max_drafts), one_hot=sampling.all_greedy)
+
+    def width(self, k: int) -> int:
+        """The drafts a step of at most `k` per row makes: `k` rounded up to a captured width."""
+        return min((w for w in self.draft_widths if w >= k), default=k)
+
+    def program(self, K: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
+        """The key and function (`draft_program`) of the program that drafts K per row with these rows'
+        sampling flags (StaticRunner.run)."""
+        flags = flags_of(sampling)
+        return ("draft", K, *flags, self.draft_top_m), functools.partial(self.draft_program, K, flags)
+
+    def draft_inputs(self, K: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The draft program's inputs for the rows' pending tokens (at most PENDING each): pending
+        tokens [B, PENDING] and their count [B], draws [B, K], the rows' temperature, top-k, top-p."""
+        pending, count = self.rows.pending_inputs(PENDING)
+        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), K)
+        return pending, count, uniforms[:, :K].double(), sampling.temperature, sampling.top_k, sampling.top_p
+
+    def reserve_probs(self, slots: int, K: int) -> None:
+        """Room in the buffer the draft program writes draft_probs into for `slots` rows of K drafts.
+        Growing it (rare: the first time, or more slots) drops the runner's captured graphs, which
+        write into the old one."""
+        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= K:
+            return
+        K = max(K, 0 if self._probs is None else self._probs.shape[1])
+        self._probs = torch.zeros(slots, K, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
+        graphs = getattr(self.rows.runner, "graphs", None)
+        if graphs is not None:
+            graphs.graphs.clear()
+
+    def draft_program(self, K: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
+                      top_p) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
+        one forward over each row's pending tokens, then K times: the draft's distribution (the rows'
+        temperature, top-k, top-p: `flags` says which apply), a draw from it, and (but after the
+        last) a forward over the draw. A padding row (count 0) feeds nothing. Returns [R, K] drafts and
+        [R, K, V] draft_probs (a view of `_probs`, overwritten by the next program)."""
+        runner, R = self.rows.runner, pending.shape[0]
+        sampling = SamplingTensors(temperature, top_k, top_p, *flags)
+        chunk, valid = right_align(pending, count, pending[:, :0], count * 0)  # [R, PENDING]
+        live = valid[:, -1:]  # [R, 1] a real row's last pending token
+        ones = torch.ones(R, dtype=torch.int64, device=pending.device)
+        logits = runner.step_slots(attend, chunk, valid, ones, 1, keep=1)[0][:, 0]  # [R, V']
+        tokens = []
+        probs = self._probs[:R, :K]  # [R, K, V]
+        for i in range(K):
+            p = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
+            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
+            probs[:, i] = p
+            tokens.append(t)
+            if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
+                logits = runner.step_slots(attend, t[:, None], live, ones, 1)[0][:, 0]
+        return torch.stack(tokens, dim=1), probs
 
     def commit_path(self, new_tokens: Sequence[Sequence[int]], path: Sequence[Sequence[int]]) -> None:
         """After a tree: the tokens each row emitted and the tree nodes its accepted path went through."""
@@ -525,6 +605,19 @@ class FeatureDrafter(Drafter):
             fed = [c + k for c, k in zip(self.cached, counts)]
             self.runner.rollback(torch.tensor(fed, dtype=torch.int64, device=self.device), max(fed))
         return torch.cat(logits), torch.cat(hidden)
+
+
+def flags_of(sampling: SamplingTensors) -> tuple[bool, bool, bool, bool]:
+    """The host flags a program's sampling is built with (SamplingTensors' field order)."""
+    return sampling.any_greedy, sampling.any_top_k, sampling.any_top_p, sampling.all_greedy
+
+
+def runner_counts(drafter: Drafter) -> GraphCounts:
+    """A copy of a drafter's model's forwards so far (raysd.models.cuda_graphs.GraphCounts): its
+    static runner's, or zeros (a model-free drafter, the dynamic runner)."""
+    rows = getattr(drafter, "rows", None)
+    runner = rows.runner if isinstance(rows, CacheRows) else getattr(drafter, "runner", None)
+    return runner.counts.copy() if isinstance(runner, StaticRunner) else GraphCounts()
 
 
 def _widen(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -3,6 +3,7 @@ over one target and one drafter. The Ray actors run the same step (raysd.actors)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import KController
 from raysd.engine.draft_assist import DraftAssistDrafter
+from raysd.engine.graphs import capture_plan, capture_steps
 from raysd.engine.drafters import Drafter
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
 from raysd.engine.step import DraftSide, StepHook, speculative_step
@@ -18,6 +20,7 @@ from raysd.engine.target import TargetSide
 from raysd.engine.verdict import StepTimings, Verdict
 from raysd.models.linear import check_linear_kernels
 from raysd.models.loading import max_model_len, output_vocab_size
+from raysd.models.profile import crossover_tokens
 from raysd.models.names import check_runner_kind
 
 if TYPE_CHECKING:  # annotations only: a process that only coordinates never imports the modeling stack
@@ -35,13 +38,13 @@ class EngineConfig:
     # (a verify of K + 1 tokens then costs about one decode step; raysd.models.linear; one more
     # copy of the weights in memory), PyTorch's own otherwise; "packed" insists; "stock" never.
     linear_kernels: str = "auto"
-    # The target's decode and verify forwards replayed as CUDA graphs captured per shape
-    # (raysd.models.cuda_graphs; static runner on CUDA). A draft model's: DraftModelDrafter(cuda_graphs=True).
-    cuda_graphs: bool = False
-    # The target's decode and verify forwards through torch.compile (static runner; with cuda_graphs the
-    # graphs capture Inductor's fused kernels: an 8B step 1.3x faster on an H200). A draft model's:
-    # DraftModelDrafter(compile=True).
-    compile: bool = False
+    # The target's steps replayed as CUDA graphs, each captured before the first step
+    # (raysd.models.cuda_graphs, raysd.engine.graphs; static runner on CUDA). None: on wherever the
+    # target runs on a CUDA device with the static runner. A draft model's: DraftModelDrafter(cuda_graphs=).
+    cuda_graphs: bool | None = None
+    # The target's step forwards through torch.compile (static runner; with CUDA graphs, the graphs
+    # capture Inductor's fused kernels). None: with the CUDA graphs. A draft model's: DraftModelDrafter(compile=).
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         check_runner_kind(self.runner, self.cuda_graphs, self.compile)
@@ -86,8 +89,11 @@ class SpecEngine:
         if spec.tree_budget and (error := tree_support_error(drafter, self.target)):
             raise ValueError(error)
         self.draft = DraftSide(drafter, self.admission.spec, self.target.device)
-        controller = None if spec.adaptive is None else KController(spec.adaptive, spec.tree_budget,
-                                                                     spec.num_speculative_tokens)
+        adaptive = spec.adaptive
+        if adaptive is not None and adaptive.costs is None and adaptive.crossover_tokens is None:
+            # learned costs know where the device's verify turns compute-bound (None on a CPU)
+            adaptive = dataclasses.replace(adaptive, crossover_tokens=crossover_tokens(target))
+        controller = None if adaptive is None else KController(adaptive, spec.tree_budget, spec.num_speculative_tokens)
         self.hook = StepHook(self.admission.spec, controller)
 
     @property
@@ -112,23 +118,51 @@ class SpecEngine:
 
     def add(self, items: Sequence[tuple[int, Request]]) -> None:
         """Admit rows into both sides (the target prefills their prompts; a cold drafter waits)."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), (self.target.graph_counts(), self.draft.graph_counts())
         self.target.add(items)
         self.draft.add(items)
         self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.add_counts(self.target.graph_counts().minus(before[0]))  # a compiled runner's prefill compiles
+        self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
 
     def step(self) -> Verdict:
         return speculative_step(self.draft, self.target, self.hook)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether either model replays its steps from CUDA graphs."""
+        runners = [self.target.rows.runner, getattr(getattr(self.drafter, "rows", None), "runner", None)]
+        return any(getattr(r, "graphs", None) is not None for r in runners)
+
+    def capture(self, rows: int, max_length: int) -> None:
+        """Capture every program the steps of up to `rows` rows of up to `max_length` tokens each can
+        replay (raysd.engine.graphs), now rather than at a step, with their seconds in the timings.
+        Needs the job's first rows admitted (their state and sampling give the programs' inputs)."""
+        spec = self.admission.spec
+        plan = capture_plan(self.drafter, spec.num_speculative_tokens, spec.adaptive is not None, rows,
+                            min(max_length, self.max_model_len))
+        before = self.target.graph_counts(), self.draft.graph_counts()
+        capture_steps(self.target, self.draft, plan)
+        if self.k_controller is not None:  # the chains it plans are those captured
+            self.k_controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
+        self.timings.add_counts(self.target.graph_counts().minus(before[0]))
+        self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
+
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
-        """Generate for every request; results come back in request order."""
+        """Generate for every request; results come back in request order. With CUDA graphs, every
+        program its steps will replay is captured once the first rows are in (`capture`)."""
         admitted, results = self.admission.split(requests)
         waiting = deque(admitted)
         start = time.perf_counter()
+        capture = self.graphed and bool(admitted)
         while waiting or len(self.target):
             free = self.config.max_batch_size - len(self.target)
             if waiting and free:
                 self.add([waiting.popleft() for _ in range(min(len(waiting), free))])
+            if capture:
+                self.capture(min(self.config.max_batch_size, len(admitted)),
+                             max(len(r.prompt_token_ids) + r.params.max_new_tokens for _, r in admitted))
+                capture = False
             for i, result in self.step().finished:
                 results[i] = result
         self.timings.wall_s += time.perf_counter() - start

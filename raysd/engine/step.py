@@ -26,10 +26,11 @@ from raysd.core.sampling import SamplingTensors
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import PlainRun
 from raysd.engine.batch import Batch
-from raysd.engine.drafters import Drafter, Proposal
+from raysd.engine.drafters import Drafter, Proposal, runner_counts
 from raysd.engine.requests import Request
 from raysd.engine.target import TargetSide
 from raysd.engine.verdict import Plan, StepTimings, Verdict
+from raysd.models.cuda_graphs import GraphCounts
 
 if TYPE_CHECKING:
     from raysd.engine.adaptive import KController
@@ -99,9 +100,12 @@ def speculative_step(draft: DraftSide | ReceivedProposal, target: TargetSide, ho
     Its halves are `draft_half` (1) and `target_half` (2-5 on the target), then `settle` (4-5 on the
     draft): a draft actor runs the first and the last of these on its side of a split replica.
     """
+    counts = draft.graph_counts(), target.graph_counts()
     plan, proposal, draft_s, prefill_s = draft_half(draft, hook)
     verdict, verify_s = target_half(target, proposal, plan)
     settle(draft, hook, verdict, draft_s, verify_s, prefill_s)
+    hook.timings.add_counts(draft.graph_counts().minus(counts[0]))  # graph replays, eager forwards, captures
+    hook.timings.add_counts(target.graph_counts().minus(counts[1]))
     return verdict
 
 
@@ -164,6 +168,10 @@ class DraftSide:
             self.cold += [None] * len(prompts)
         self.batch.add(items)
         self._sampling = None
+
+    def graph_counts(self) -> GraphCounts:
+        """The drafter's model's forwards so far (zeros for a model-free drafter)."""
+        return runner_counts(self.drafter)
 
     @property
     def num_cold(self) -> int:
@@ -249,6 +257,9 @@ class ReceivedProposal:
 
     def confidence(self) -> None:
         return None  # the plan was made where the drafter lives (the draft actor)
+
+    def graph_counts(self) -> GraphCounts:
+        return GraphCounts()  # counted where the drafter lives
 
     def propose(self, plan: Plan) -> Proposal:
         return self.proposal

@@ -5,22 +5,25 @@ the kept tokens and finished rows retired (`commit`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
-from raysd.core.draws import step_uniforms
+from raysd.core.device import host_to_device
+from raysd.core.draws import counter_uniforms, step_uniforms
 from raysd.core.rejection import RejectionOutput, draft_target_overlap, greedy_rejection_sample, rejection_sample
 from raysd.core.sampling import SamplingTensors, argmax_last, logits_to_probs, sample_from_probs
 from raysd.core.speculation import SpeculationConfig
 from raysd.core.tree import tree_rejection_sample
 from raysd.core.tree_shape import TreeShape, rank_visits
 from raysd.engine.batch import Batch, fill_holes
-from raysd.engine.cache_rows import CacheRows
-from raysd.engine.drafters import Proposal
+from raysd.engine.cache_rows import CacheRows, right_align
+from raysd.engine.drafters import Proposal, flags_of
 from raysd.engine.requests import Request
 from raysd.engine.verdict import Plan, Verdict
+from raysd.models.cuda_graphs import GraphCounts
 from raysd.models.features import FeatureTap
 from raysd.models.runner import make_runner
 from raysd.models.static_runner import StaticRunner
@@ -38,11 +41,11 @@ class TargetSide:
     cached for good in its step (a new row's prompt first)."""
 
     def __init__(self, model: PreTrainedModel, spec: SpeculationConfig, runner: str = "auto", features: bool = False,
-                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None, cuda_graphs: bool = False,
-                 compile: bool = False):
+                 linear_kernels: str = "auto", decode: Callable[[list[int]], str] | None = None,
+                 cuda_graphs: bool | None = False, compile: bool | None = False):
         """`decode`: token ids -> text with the target's tokenizer, for requests with stop strings;
-        `cuda_graphs`: decode and verify forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
-        `compile`: those forwards through torch.compile (StaticRunner)."""
+        `cuda_graphs`: decode and verify programs replayed as CUDA graphs (raysd.models.cuda_graphs);
+        `compile`: their forwards through torch.compile (StaticRunner); None: raysd.models.runner.make_runner's default."""
         self.rows = CacheRows(make_runner(model, runner, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs,
                                           compile=compile))
         self.spec, self.acceptance = spec, str(spec.acceptance)
@@ -53,6 +56,10 @@ class TargetSide:
         self._sampling: SamplingTensors | None = None
         self.prompt_features: list[torch.Tensor | None] = []  # a feature draft's: each row's prompt features, until a verdict carries them
         self._features_at: tuple | None = None  # a feature draft's: the last verify's features [B, W, H], starts, pending
+        # The drafts per row a verify feeds are rounded up to one of these (the widths whose programs
+        # were captured: raysd.engine.graphs); empty: as proposed.
+        self.verify_widths: tuple[int, ...] = ()
+        self._layouts: dict[tuple, tuple] = {}  # a verify program's packed parts, by its key
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -60,6 +67,11 @@ class TargetSide:
     @property
     def device(self) -> torch.device:
         return self.rows.device
+
+    def graph_counts(self) -> GraphCounts:
+        """A copy of the target's forwards so far (raysd.models.cuda_graphs; zeros on the dynamic runner)."""
+        runner = self.rows.runner
+        return runner.counts.copy() if isinstance(runner, StaticRunner) else GraphCounts()
 
     @property
     def supports_trees(self) -> bool:
@@ -85,19 +97,20 @@ class TargetSide:
         if self._sampling is None:
             self._sampling = SamplingTensors.from_params(batch.params, self.device)
         tree = plan.tree(self.spec.num_speculative_tokens)
-        if tree is None:
-            out, overlap, tested, logits_at = self._verify_chain(proposal)
+        logprobs = any(p.logprobs for p in batch.params)
+        if tree is None and self._programs and proposal.num_draft_host is not None and not logprobs:
+            host = self._verify_program(proposal)  # the step's one device-to-host copy
         else:
-            out, overlap, tested, logits_at = self._verify_tree(proposal, tree)
-        positions = torch.arange(overlap.shape[1], device=overlap.device)[None, :]
-        parts = {"tokens": out.output_token_ids, "accepted": out.num_accepted, "tested": tested,
-                 "drafted": proposal.num_draft_tokens,
-                 "overlap": torch.where(positions < tested[:, None], overlap, 0.0).sum(dim=1)}  # [B] over tested positions
-        if tree is not None:
-            parts.update(nodes=out.accepted_nodes, branch=self._branch_accepts(tree, out))
-        if any(p.logprobs for p in batch.params):
-            parts.update(self._logprobs(logits_at, out.output_token_ids))
-        host = read_back(parts)  # the step's one device-to-host copy
+            if tree is None:
+                out, overlap, tested, logits_at = self._verify_chain(proposal)
+            else:
+                out, overlap, tested, logits_at = self._verify_tree(proposal, tree)
+            parts = verdict_parts(out, overlap, tested, proposal.num_draft_tokens)
+            if tree is not None:
+                parts.update(nodes=out.accepted_nodes, branch=self._branch_accepts(tree, out))
+            if logprobs:
+                parts.update(self._logprobs(logits_at, out.output_token_ids))
+            host = read_back(parts)  # the step's one device-to-host copy
         tokens, n_acc = host["tokens"].astype(np.int64), host["accepted"].astype(np.int64)
         n_keep, finish = batch.cut_at_stops(tokens, n_acc)
         n_keep, finish, texts = batch.stop_at_strings(tokens, n_keep, finish)
@@ -154,8 +167,9 @@ class TargetSide:
 
     def _verify_chain(self, proposal: Proposal) -> tuple[RejectionOutput, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over each row's pending tokens and its drafts (K + 1 logits), then the
-        rejection test (or its all-greedy argmax form, or the relaxed or synthetic rule). Returns the
-        test's output, the overlaps [B, K] and positions tested [B], and the logits [B, K + 1, V]."""
+        rejection test (`judge_chain`). Returns the test's output, the overlaps [B, K] and positions
+        tested [B], and the logits [B, K + 1, V]. (On the static runner without a feature tap or
+        log-probabilities, `_verify_program` does the same as one program.)"""
         ids, num, host = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.num_draft_host
         B, K = ids.shape
         n = max(host, default=0) + 1 if host is not None else None
@@ -167,22 +181,75 @@ class TargetSide:
             self._features_at = (F, [F.shape[1] - p - d for p, d in zip(pending, host)], pending)
         if logits.shape[1] < K + 1:  # every row drafted fewer than K: pad positions never read
             logits = torch.cat([logits, logits[:, -1:].expand(-1, K + 1 - logits.shape[1], -1)], dim=1)
-        acceptance, sampling = self.spec.acceptance, self._sampling
-        if sampling.all_greedy and acceptance.exact:  # no uniform is read: none is drawn
-            target_ids = argmax_last(logits)  # [B, K + 1] each row's one-hot target
-            out = greedy_rejection_sample(ids, num, target_ids)
-            overlap = proposal.draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]  # [B, K] 1 - TV to a one-hot
-            return out, overlap, out.num_tested, logits
+        uniforms = None
+        if not (self._sampling.all_greedy and self.spec.acceptance.exact):  # an all-greedy test reads no draw
+            uniforms = step_uniforms(self.batch.seeds, self.batch.generated, self.spec.num_speculative_tokens, self.device)
+        out, overlap = judge_chain(logits, ids, num, proposal.draft_probs, uniforms, self._sampling, self.spec.acceptance)
+        return out, overlap, out.num_tested, logits
+
+    @property
+    def _programs(self) -> bool:
+        """Whether a chain's verify runs as one program (`_verify_program`): the static runner, no feature tap."""
+        return isinstance(self.rows.runner, StaticRunner) and self.tap is None
+
+    def _verify_program(self, proposal: Proposal) -> dict[str, np.ndarray]:
+        """A chain's verify as one program (`verify_program`), replayed from one CUDA graph when the
+        runner has graphs: the target forward over each row's pending tokens and drafts, the rejection
+        test and the verdict's parts packed for one read-back, which this returns on the host. The
+        drafts are padded to a captured width (`verify_widths`) with drafts no row counts."""
+        ids, host = proposal.draft_token_ids, proposal.num_draft_host
+        K = self.width(ids.shape[1])
+        inputs, flags = self.verify_inputs(proposal, K)
+        P = inputs[0].shape[1]
+        packed, = self.rows.runner.run(("verify", P, K, *flags), self.program_fn(K, flags), inputs, P + K)
+        self.rows.mark_fed(inputs[2], proposal.num_draft_tokens, host)
+        return unpack(packed.cpu().numpy(), self._layouts[(P, K, *flags)])
+
+    def program_fn(self, K: int, flags: tuple) -> Callable:
+        """The verify program of K drafts per row with these flags (`verify_inputs`), for StaticRunner.run."""
+        return functools.partial(self.verify_program, K, flags)
+
+    def width(self, k: int) -> int:
+        """Drafts per row a verify of `k` feeds: `k` rounded up to a captured width (`verify_widths`)."""
+        return min((w for w in self.verify_widths if w >= k), default=k)
+
+    def verify_inputs(self, proposal: Proposal, K: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """The verify program's inputs and static flags: the rows' pending tokens [B, P] and their
+        count [B], drafts [B, K] and their count [B], draft_probs [B, K, V] (none for one-hot drafts of
+        an all-greedy batch: the test reads the drafts alone), the rows' (seed, tokens generated) [B, 2]
+        for their draws (none where nothing is drawn), temperature, top-k and top-p [B]."""
+        ids, num, probs = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs
+        if K > ids.shape[1]:  # drafts no row counts (num is unchanged)
+            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], K - ids.shape[1])], dim=1)
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], K - probs.shape[1], probs.shape[2])], dim=1)
+        sampling, acceptance = self._sampling, self.spec.acceptance
+        greedy = sampling.all_greedy and acceptance.exact  # argmaxes only: no draw, and a one-hot draft needs no probs
+        one_hot = greedy and (proposal.one_hot or K == 0)
+        pending, count = self.rows.pending_inputs()
+        inputs = [pending, count, ids, num] + ([] if one_hot else [probs])
+        if not greedy:
+            inputs.append(host_to_device(np.stack([self.batch.seeds, self.batch.generated], axis=1), torch.int64, self.device))
+        inputs += [sampling.temperature, sampling.top_k, sampling.top_p]
+        return tuple(inputs), (*flags_of(sampling), one_hot, greedy, str(acceptance))
+
+    def verify_program(self, K: int, flags: tuple, attend: int, pending, count, ids, num, *rest) -> tuple[torch.Tensor]:
+        """A chain's verify over the slots 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors
+        only: the target forward over each row's pending tokens and its num[b] drafts (of `ids` [R, K]),
+        the rejection test (`judge_chain`) and the verdict's parts (`verdict_parts`), packed into one
+        [R, X] float64 tensor for one read-back. A padding row (count 0, num 0) feeds nothing."""
+        *sampling_flags, one_hot, greedy, _ = flags
+        rest = list(rest)
+        probs = None if one_hot else rest.pop(0)
+        keys = None if greedy else rest.pop(0)
+        sampling = SamplingTensors(*rest, *sampling_flags)
+        chunk, valid = right_align(pending, count, ids, num)  # [R, P + K]
+        logits, = self.rows.runner.step_slots(attend, chunk, valid, num + 1, K + 1)  # [R, K + 1, V]
         Kc = self.spec.num_speculative_tokens
-        uniforms = step_uniforms(self.batch.seeds, self.batch.generated, Kc, self.device)  # [B, 2Kc + 1]
-        accept_u, final_u = uniforms[:, Kc : Kc + K], uniforms[:, 2 * Kc]
-        target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
-        if acceptance.synthetic_rate is not None:
-            out = synthetic_accept(ids, num, target_probs, accept_u, final_u, acceptance.synthetic_rate)
-        else:
-            lam = None if acceptance.relax is None else torch.full_like(final_u, acceptance.relax)  # [B]
-            out = rejection_sample(ids, num, proposal.draft_probs, target_probs, accept_u, final_u, lam)
-        return out, draft_target_overlap(proposal.draft_probs, target_probs), out.num_tested, logits
+        uniforms = None if keys is None else counter_uniforms(keys[:, 0], keys[:, 1], 2 * Kc + 1)  # [R, 2Kc + 1]
+        out, overlap = judge_chain(logits, ids, num, probs, uniforms, sampling, self.spec.acceptance)
+        packed, layout = pack(verdict_parts(out, overlap, out.num_tested, num))
+        self._layouts[(pending.shape[1], K, *flags)] = layout
+        return (packed,)
 
     def _verify_tree(self, proposal: Proposal, shape: TreeShape) -> tuple[RejectionOutput, torch.Tensor, torch.Tensor,
                                                                            torch.Tensor]:
@@ -242,16 +309,68 @@ class TargetSide:
         return out
 
 
-def read_back(parts: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """The step's one device-to-host copy: every part ([B] or [B, ...]) packed as float64 into one
-    tensor (float64 holds token ids exactly), then unpacked on the host by name and shape."""
+def judge_chain(logits: torch.Tensor, ids: torch.Tensor, num: torch.Tensor, draft_probs: torch.Tensor | None,
+                uniforms: torch.Tensor | None, sampling: SamplingTensors, acceptance) -> tuple[RejectionOutput, torch.Tensor]:
+    """The rejection test of a chain (Leviathan et al. 2023, Algorithm 1), on the device, with no host read.
+
+    Args:
+        logits: [B, K + 1, V] the target's after each row's pending token and each draft.
+        ids: [B, K] drafts, row b's first num[b] ([B]) real.
+        draft_probs: [B, K, V] what each draft was drawn from; None for one-hot drafts of an
+            all-greedy batch under the exact rule.
+        uniforms: [B, 2Kc + 1] the step's draws (raysd.core.draws.step_uniforms, Kc the configured K);
+            None for an all-greedy batch under the exact rule, whose test reads no draw.
+        sampling: the rows' parameters; acceptance: the rule (exact, relaxed or synthetic).
+    Returns:
+        the test's output, and [B, K] overlaps sum_x min(target_probs, draft_probs) (1 - TV).
+    """
+    K = ids.shape[1]
+    if sampling.all_greedy and acceptance.exact:  # each row's one-hot target: its argmax
+        target_ids = argmax_last(logits)  # [B, K + 1]
+        out = greedy_rejection_sample(ids, num, target_ids)
+        if draft_probs is None:  # one-hot drafts: 1 where the draft is the argmax
+            return out, (ids == target_ids[:, :K]).float()
+        return out, draft_probs.gather(-1, target_ids[:, :K, None])[..., 0]  # [B, K] 1 - TV to a one-hot
+    Kc = (uniforms.shape[1] - 1) // 2
+    accept_u, final_u = uniforms[:, Kc : Kc + K], uniforms[:, 2 * Kc]
+    target_probs = logits_to_probs(logits, sampling)  # [B, K + 1, V]
+    if acceptance.synthetic_rate is not None:  # each draft's chance of acceptance is the rate: so is its overlap
+        out = synthetic_accept(ids, num, target_probs, accept_u, final_u, acceptance.synthetic_rate)
+        return out, torch.full(ids.shape, acceptance.synthetic_rate, device=ids.device)
+    lam = None if acceptance.relax is None else torch.full_like(final_u, acceptance.relax)  # [B]
+    out = rejection_sample(ids, num, draft_probs, target_probs, accept_u, final_u, lam)
+    return out, draft_target_overlap(draft_probs, target_probs)
+
+
+def verdict_parts(out: RejectionOutput, overlap: torch.Tensor, tested: torch.Tensor, drafted: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a step reads back for its verdict: emitted tokens [B, W], accepted, tested and drafted
+    counts [B], and the overlap summed over each row's tested positions [B]."""
+    positions = torch.arange(overlap.shape[1], device=overlap.device)[None, :]
+    return {"tokens": out.output_token_ids, "accepted": out.num_accepted, "tested": tested, "drafted": drafted,
+            "overlap": torch.where(positions < tested[:, None], overlap, 0.0).sum(dim=1)}
+
+
+def pack(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[tuple[str, tuple[int, ...]], ...]]:
+    """Every part ([B] or [B, ...]) as float64 (which holds token ids exactly) in one [B, X] tensor,
+    and the layout `unpack` reads it back by (each part's name and trailing shape)."""
     flat = [t.reshape(t.shape[0], -1).double() for t in parts.values()]
-    packed = torch.cat(flat, dim=1).cpu().numpy()
+    return torch.cat(flat, dim=1), tuple((name, tuple(t.shape[1:])) for name, t in parts.items())
+
+
+def unpack(packed: np.ndarray, layout: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, np.ndarray]:
+    """`pack`'s parts from its tensor on the host, by name."""
     out, at = {}, 0
-    for (name, t), f in zip(parts.items(), flat):
-        out[name] = packed[:, at : at + f.shape[1]].reshape(t.shape)
-        at += f.shape[1]
+    for name, shape in layout:
+        width = int(np.prod(shape, dtype=np.int64))
+        out[name] = packed[:, at : at + width].reshape(packed.shape[0], *shape)
+        at += width
     return out
+
+
+def read_back(parts: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The step's one device-to-host copy: every part packed into one tensor, then unpacked on the host."""
+    packed, layout = pack(parts)
+    return unpack(packed.cpu().numpy(), layout)
 
 
 def path_overlaps(shape: TreeShape, tree: RejectionOutput, num_nodes: torch.Tensor, draft_probs: torch.Tensor,

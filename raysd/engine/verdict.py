@@ -120,6 +120,28 @@ class StepTimings:
     generated_tokens: int = 0  # tokens the steps emitted (each row's kept tokens)
     wall_s: float = 0.0
     borrowed_steps: int = 0  # steps run on another process's lent CPU threads too (raysd.actors.turns)
+    # Both models' forwards (raysd.models.cuda_graphs.GraphCounts): programs replayed from CUDA graphs (a
+    # draft's K steps, a verify: one each), step forwards run eagerly (0 in steady state with graphs),
+    # graphs captured and their seconds (torch.compile's compiles included), torch.compile's compiles and
+    # the seconds of the forwards that made them (a job's start-up counted too: SpecEngine.capture), and
+    # the bytes of weights and attended keys/values the forwards read.
+    graph_replays: int = 0
+    eager_forwards: int = 0
+    graph_captures: int = 0
+    capture_s: float = 0.0
+    compiles: int = 0
+    compile_s: float = 0.0
+    bytes_read: int = 0
+
+    def add_counts(self, counts) -> None:
+        """Add a GraphCounts difference (raysd.models.cuda_graphs) to the forwards' counts."""
+        self.graph_replays += counts.replays
+        self.eager_forwards += counts.eager_forwards
+        self.graph_captures += counts.captures
+        self.capture_s += counts.capture_s
+        self.compiles += counts.compiles
+        self.compile_s += counts.compile_s
+        self.bytes_read += counts.bytes_read
 
 
 @dataclass
@@ -145,6 +167,10 @@ class LoopStats:
     recoveries: int = 0  # times the rows in flight re-ran after a model actor died
     generated_tokens: int = 0
     rung_calls: int = 0  # calls the loop slept through until the target rang (raysd.actors.turns)
+    # The target's steps' forwards (StepTimings' counts): replayed from CUDA graphs, run eagerly, graphs captured.
+    graph_replays: int = 0
+    eager_forwards: int = 0
+    graph_captures: int = 0
     first_step_at: float | None = None
     last_step_at: float | None = None
 

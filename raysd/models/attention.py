@@ -1,18 +1,23 @@
 """Grouped-query attention over a masked chunk without repeating keys and values.
 
-transformers' `sdpa` attention, given a mask (the static runner always passes one), runs a
-chunk of more than one query token by repeating every key/value head `num_key_value_groups`
-times (`repeat_kv`): a copy of the whole attended cache, per layer, per forward. For a single
-query token it already avoids the copy by folding the group into the query (`pack_gqa`).
-Verification feeds K + 1 tokens per row, so every verify step paid the copy: on SmolLM2-135M
-(9 query heads over 3 key/value heads) 1.7 ms of attention per layer at batch 8 over 640
-columns, against 0.5 ms folded (two CPU threads), for 30 layers.
+transformers' `sdpa` attention, given a mask (the static runner always passes one), runs
+grouped-query attention by repeating every key/value head `num_key_value_groups` times
+(`repeat_kv`): a copy of the whole attended cache, per layer, per forward, which SDPA then reads
+G times over. Transformers 5.25 folds a single query token instead (`pack_gqa`), but not under
+torch.compile, and 5.17 never does; verification feeds K + 1 tokens per row, which it always
+repeats. On SmolLM2-135M (9 query heads over 3 key/value heads) a verify's attention took 1.7 ms
+per layer at batch 8 over 640 columns, against 0.5 ms folded (two CPU threads), for 30 layers. On a
+GPU the copy is bandwidth: a decode step of a Llama-3-8B shape (32 layers, 8 key/value heads of 128,
+G = 4, bf16) at batch 64 over 256 columns writes 8.6 GB of repeated keys and values and reads them
+back, about as many bytes as its 16 GB of weights, where at batch 1 it is a sixty-fourth of that:
+the copy grows with the batch, the weights do not.
 
-`packed_gqa_attention` folds the group for any chunk length, as FlashAttention-style GQA
-kernels do: query [B, Hkv * G, T, D] -> [B, Hkv, G * T, D] (the G query heads of a key/value
-head become G x T queries of it), the mask [B, 1, T, W] -> [B, 1, G * T, W] (every head of a
-group sees the same columns), then SDPA on the key/value heads as they are. Each (head, token)
-output is the same dot products and softmax as before (tests/models/test_attention.py).
+`packed_gqa_attention` folds the group for every chunk length, one token included, as
+FlashAttention-style GQA kernels do: query [B, Hkv * G, T, D] -> [B, Hkv, G * T, D] (the G query
+heads of a key/value head become G x T queries of it), the mask [B, 1, T, W] -> [B, 1, G * T, W]
+(every head of a group sees the same columns; for T = 1 the mask broadcasts as it is), then SDPA
+on the key/value heads as they are. Each (head, token) output is the same dot products and
+softmax as before (tests/models/test_attention.py).
 
 `packed_gqa(model)` switches a model to it for the duration of a call; the model's own
 config is restored afterwards, so the same model object still runs stock Hugging Face
@@ -40,17 +45,19 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, T, D], key/value [B, Hkv, W, D],
     a mask [B, 1, T, W] (bool or additive); returns ([B, T, H, D], None). Anything it does not
-    fold (no groups, one token, no mask, a per-head mask, extra terms) goes to `sdpa` unchanged."""
+    fold (no groups, no mask, a per-head mask, extra terms) goes to `sdpa` unchanged."""
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
-    plain = (groups == 1 or T == 1 or attention_mask is None or attention_mask.dim() != 4
+    plain = (groups == 1 or attention_mask is None or attention_mask.dim() != 4
              or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
              or kwargs.get("softcap") is not None or kwargs.get("cache") is not None)
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     assert H == key.shape[1] * groups and key.shape == value.shape[:-1] + (key.shape[-1],)
     folded = query.reshape(B, H // groups, groups * T, D)  # (B, Hkv, G*T, D): head kv*G + g, token t -> row g*T + t
-    mask = attention_mask.expand(B, 1, T, attention_mask.shape[-1]).repeat(1, 1, groups, 1)  # (B, 1, G*T, W)
+    mask = attention_mask.expand(B, 1, T, attention_mask.shape[-1])  # (B, 1, T, W)
+    if T > 1:  # row g*T + t of a group sees token t's columns; one token's mask broadcasts over the G rows
+        mask = mask.repeat(1, 1, groups, 1)  # (B, 1, G*T, W)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, T, H, Dv)
 

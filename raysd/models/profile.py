@@ -112,6 +112,26 @@ def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, re
     return out
 
 
+def crossover_tokens(model, size: int = 4096, copy_bytes: int = 1 << 29, reps: int = 5) -> float | None:
+    """Tokens per forward (rows x tokens per row) past which `model`'s forward turns compute-bound on
+    its device: N* = F W / (2 P BW), from a matrix product's FLOP/s F in the model's dtype and a copy's
+    bandwidth BW (bytes read and written per second), for W bytes of P parameters (Williams et al.
+    2009's ridge point, in tokens: a forward reads its weights once and multiplies each by every
+    token, 2 FLOP per parameter per token). Measured in a fraction of a second; None off CUDA, where
+    the learned costs need no such prior (a CPU's verify cost is not a roofline's)."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return None
+    x = torch.randn(size, size, device=p.device, dtype=p.dtype)
+    a = torch.empty(copy_bytes, dtype=torch.uint8, device=p.device)
+    b = torch.empty_like(a)
+    flops = 2 * size**3 / median_time(lambda: x @ x, reps, p.device)
+    bandwidth = 2 * copy_bytes / median_time(lambda: b.copy_(a), reps, p.device)
+    params = sum(q.numel() for q in model.parameters())
+    weights = sum(q.numel() * q.element_size() for q in model.parameters())
+    return flops * weights / (2 * params * bandwidth)
+
+
 def profile_step_costs(target, draft=None, k_max: int = 8, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                        context: int = 128, reps: int = 3, runner: str = "auto") -> StepCosts:
     """Measure StepCosts on the machine at hand: T_target(B, K + 1) for K = 0..k_max and one

@@ -21,18 +21,29 @@ if TYPE_CHECKING:  # annotations only: a process that only coordinates never imp
     from transformers import PreTrainedModel
 
 RunnerKind = Literal["auto", "static", "dynamic"]
+# Whether `compile=None` compiles under graphs it turned on (tests/gpu turn it off: compiling every
+# test's models would take their minutes; they compile where they say so).
+AUTO_COMPILE = True
 Runner = Union[DynamicRunner, StaticRunner]
 
 
 def make_runner(model: PreTrainedModel, kind: str = "auto", vocab_size: int | None = None,
-                linear_kernels: str = "auto", cuda_graphs: bool = False, compile: bool = False) -> Runner:
+                linear_kernels: str = "auto", cuda_graphs: bool | None = False, compile: bool | None = False) -> Runner:
     """"auto": the static runner where the architecture supports it, else the dynamic one;
     "static" refuses an unsupported model with a clear error instead of falling back.
     `linear_kernels`: raysd.models.linear ("auto": prepacked on a CPU in float32 where measured faster; "stock");
-    `cuda_graphs`: the static runner's small forwards replayed as CUDA graphs (raysd.models.cuda_graphs);
-    `compile`: its small forwards through torch.compile (with `cuda_graphs`, the graphs capture the compiled kernels)."""
+    `cuda_graphs`: the static runner's steps replayed as CUDA graphs (raysd.models.cuda_graphs); None: on
+    for the static runner on a CUDA device;
+    `compile`: its steps' forwards through torch.compile (with `cuda_graphs`, the graphs capture the compiled
+    kernels); None: with the CUDA graphs."""
     check_runner_kind(kind)
-    if kind == "static" or (kind == "auto" and supports_static(model)):
+    static = kind == "static" or (kind == "auto" and supports_static(model))
+    if cuda_graphs is None:  # not a tensor-parallel shard: its all-reduces are not captured
+        cuda_graphs = (static and next(model.parameters()).device.type == "cuda"
+                       and getattr(model, "_raysd_tensor_parallel", None) is None)
+    if compile is None:
+        compile = cuda_graphs and AUTO_COMPILE
+    if static:
         return StaticRunner(model, vocab_size=vocab_size, linear_kernels=linear_kernels, cuda_graphs=cuda_graphs,
                             compile=compile)
     if cuda_graphs or compile:

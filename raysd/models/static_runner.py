@@ -27,14 +27,16 @@ models whose attention takes a 4D mask and a Cache (Llama, Qwen2, Mistral, SmolL
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Sequence
+import functools
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from raysd.models.attention import packed_gqa
 from raysd.models.compat import cache_keyword
-from raysd.models.cuda_graphs import GraphedSteps, buffer_pointers
+from raysd.models.cuda_graphs import GraphCounts, GraphedSteps, buffer_pointers
 from raysd.models.dynamic_runner import right_aligned
 from raysd.models.linear import linear_kernels, use_packed
 from raysd.models.loading import output_vocab_size
@@ -138,7 +140,7 @@ class StaticRunner:
         `checks` turns on the assertions that need a host synchronisation (tests);
         `compile` runs the steps (chunks of up to SMALL_CHUNK tokens per row: decode, verify, draft) through
         torch.compile with symbolic shapes: the attended width never recompiles, the chunk width and the rows
-        only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); longer prefills run eager. With `cuda_graphs`, the
+        only where they cross 1 and the rows where they reach the slots' count (`COMPILES`); prefills run eager. With `cuda_graphs`, the
         compiled kernels are what each graph captures (Inductor's fusions, then no launches);
         `linear_kernels`: raysd.models.linear's prepacked CPU kernels ("auto": float32 on a CPU, where measured faster);
         `cuda_graphs` replays the forwards of up to SMALL_CHUNK tokens per row (decode, verify, draft)
@@ -166,6 +168,9 @@ class StaticRunner:
             raise ValueError(f"cuda_graphs needs a model on a CUDA device, not {self.device}")
         if cuda_graphs and checks:
             raise ValueError("cuda_graphs replays captured kernels: not with checks")
+        self.counts = GraphCounts()
+        self._kind = "step"  # what `_run`'s forwards are counted as: "step", "prefill", or "graph" (captured)
+        self._read = None  # (weight bytes, bytes of one column of one slot over every layer): `_bytes`
         self.graphs = GraphedSteps(self, cuda_graph_capture, pool=torch.cuda.graph_pool_handle()) if cuda_graphs else None
 
     @property
@@ -185,14 +190,74 @@ class StaticRunner:
     def forward(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
                 max_logits: int | None = None) -> torch.Tensor:
         """As DynamicRunner.forward. `max_logits` = max(num_logits) when the caller knows it on
-        the host (saves a synchronisation); otherwise it is read from the device."""
+        the host (saves a synchronisation); otherwise it is read from the device. A chunk of up to
+        SMALL_CHUNK tokens per row is a step: a program (`run`), replayed from a graph when the
+        runner has them."""
         assert chunks.shape[0] == self.num_rows
         n = max_logits if max_logits is not None else int(num_logits.max())
-        if self.graphs is not None and chunks.shape[1] <= SMALL_CHUNK and self.num_rows:
-            logits = self.graphs(chunks, chunk_valid, num_logits, n)
-            if logits is not None:
-                return logits
-        return self._forward(slice(0, self.num_rows), chunks, chunk_valid, num_logits, n)
+        T = chunks.shape[1]
+        if T > SMALL_CHUNK or not self.num_rows:
+            return self._forward(slice(0, self.num_rows), chunks, chunk_valid, num_logits, n)
+        replays = self.counts.replays
+        logits, = self.run(("forward", T, n), functools.partial(self.step_slots, n=n), (chunks, chunk_valid, num_logits), T)
+        return logits.clone() if self.counts.replays > replays else logits  # a graph's output is overwritten by its next replay
+
+    @torch.inference_mode()
+    def run(self, program: tuple, fn: Callable, inputs: Sequence[torch.Tensor], advance: int, forwards: int = 1) -> tuple:
+        """`fn(attend, *inputs)`, a program over the slots 0 .. B - 1 (B = the inputs' rows = the
+        runner's rows; raysd.models.cuda_graphs) of `forwards` model forwards that adds at most
+        `advance` tokens to any row: replayed from a graph keyed by `program` when the runner has
+        graphs, else run eagerly at the attended width the rows need. Returns its outputs (for the B rows)."""
+        assert inputs[0].shape[0] == self.num_rows
+        self._reserve(self._bound + advance)
+        if self.graphs is not None:
+            outputs = self.graphs.run(program, fn, inputs, advance, forwards)
+            if outputs is not None:
+                return outputs
+        outputs = fn(self._attended(self._bound + advance), *inputs)
+        self._bound += advance
+        return outputs
+
+    def feed_only(self, chunks: torch.Tensor, chunk_valid: torch.Tensor) -> None:
+        """Append each row's valid chunk tokens (right-aligned, up to SMALL_CHUNK per row) to its
+        cache, with no logits kept: a program (`run`), replayed from a graph when the runner has them."""
+        assert chunks.shape[1] <= SMALL_CHUNK
+        ones = torch.ones(chunks.shape[0], dtype=torch.int64, device=self.device)
+        self.run(*self.feed_program(chunks.shape[1]), (chunks, chunk_valid, ones), chunks.shape[1])
+
+    def feed_program(self, T: int) -> tuple[tuple, Callable]:
+        """The key and function of `feed_only`'s program for chunks of T tokens per row; its inputs are
+        the chunk [R, T], its validity [R, T] and ones [R]."""
+        return ("feed", T), self._feed_slots
+
+    def _feed_slots(self, attend: int, chunks, chunk_valid, ones) -> tuple:
+        self.step_slots(attend, chunks, chunk_valid, ones, 1, keep=1)
+        return ()
+
+    def step_slots(self, attend: int, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
+                   n: int, keep: int | None = None) -> tuple[torch.Tensor]:
+        """One forward over the slots 0 .. R - 1 (R = the chunks' rows), device tensors only: the
+        chunk's tokens written after each slot's length, which grows by its valid tokens. Returns
+        ([R, n, V] logits,) as `forward`; `keep` (>= n): positions the model computes logits at, the
+        chunk's last (all of a small chunk by default; 1 when every row wants only its last).
+        The program of a forward, and a part of larger programs."""
+        rows = slice(0, chunks.shape[0])
+        lengths = self._lengths[rows]  # [R] view
+        T = chunks.shape[1]
+        keep = keep or (T if T <= SMALL_CHUNK else n)
+        logits = self._device_step(rows, lengths, chunks, chunk_valid, num_logits, n, keep, attend)
+        lengths.add_(chunk_valid.sum(dim=1))
+        return (logits,)
+
+    @contextlib.contextmanager
+    def counted_as(self, kind: str) -> Iterator[None]:
+        """Count the forwards `_run` makes inside the block as `kind`: "step" (eager forwards of
+        steps), "prefill", or "graph" (a capture's or a stand-in replay's, not counted)."""
+        before, self._kind = self._kind, kind
+        try:
+            yield
+        finally:
+            self._kind = before
 
     @torch.inference_mode()
     def forward_rows(self, rows: slice, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor,
@@ -231,15 +296,17 @@ class StaticRunner:
     def _run(self, rows: slice, chunks, positions, write, allowed, keep: int, width: int) -> torch.Tensor:
         """One model call: chunk tokens at RoPE `positions`, written at cache columns `write`,
         query t attending the columns `allowed[:, t]` ([B, T, W]); logits of the last `keep`."""
+        self._count(chunks.shape[0], width)
         cache = self.cache
         cache.rows, cache.width, cache.write_columns = rows, width, write
         chunks = chunks.masked_fill(chunks >= self.num_embeddings, 0)
         # K + 1 query tokens without copying the cache per key/value group, and without re-packing
         # each weight per product on a CPU
         with packed_gqa(self.model), linear_kernels(self.model, self._packed):
-            compiled = self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK
+            # steps only: a prompt's forward runs once per row, and its widths would each compile
+            compiled = self._compiled is not None and chunks.shape[1] <= SMALL_CHUNK and self._kind != "prefill"
             call = self._compiled if compiled else self.model
-            with torch._dynamo.config.patch(recompile_limit=COMPILES) if compiled else contextlib.nullcontext():
+            with self._compiles() if compiled else contextlib.nullcontext():
                 out = call(
                     input_ids=chunks,
                     attention_mask=self._mask(allowed[:, None]),
@@ -316,6 +383,48 @@ class StaticRunner:
         lengths.add_(counts)
         if max_length is not None:
             self._bound = max_length
+
+    @contextlib.contextmanager
+    def _compiles(self) -> Iterator[None]:
+        """A call of the compiled model, within the recompile limit, counting the graphs torch.compile
+        makes in it (dynamo's unique graphs) and the call's seconds when it made one."""
+        from torch._dynamo.utils import counters
+
+        before, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=COMPILES):
+            yield
+        made = counters["stats"]["unique_graphs"] - before
+        if made:
+            self.counts.compiles += made
+            self.counts.compile_s += time.perf_counter() - t0
+
+    def _count(self, rows: int, width: int) -> None:
+        """One forward over `rows` slots attending `width` columns, counted by the kind of the
+        moment (`counted_as`), a step's with the bytes it reads. A graph's replays are counted by GraphedSteps."""
+        if self._kind == "prefill":
+            self.counts.prefill_forwards += 1
+        elif self._kind == "step":
+            self.counts.eager_forwards += 1
+            self.counts.bytes_read += self.bytes_per_forward(rows, width)
+
+    def bytes_per_forward(self, rows: int, width: int) -> int:
+        """What one forward over `rows` slots attending `width` columns reads at least: every weight
+        (the input embedding only as the rows it looks up, unless it is also the output head), then the
+        keys and values of every attended column of every slot, masked or not (padding rows and columns
+        included: what a memory-bound step pays for them)."""
+        if self._read is None:
+            embed = self.model.get_input_embeddings().weight
+            head = getattr(self.model.get_output_embeddings(), "weight", None)  # a method on a quantized head
+            tied = isinstance(head, torch.Tensor) and head.data_ptr() == embed.data_ptr()
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            if not tied:
+                weights -= embed.numel() * embed.element_size()
+            c = self.model.config
+            kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            self._read = (weights, 2 * c.num_hidden_layers * kv_heads * head_dim * self._dtype.itemsize)
+        weights, column = self._read
+        return weights + column * rows * width
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """The model's 4D mask from `allowed` [B, 1, T, W]: bool for sdpa, additive for eager."""
@@ -405,9 +514,35 @@ class StaticRunner:
             self.prefill_calls.append(list(range(lo, hi)))
             ones = torch.ones(hi - lo, dtype=torch.int64, device=self.device)
             self._bound = 0  # the new rows start empty: attend W columns, not the old rows' bound + W
-            self._forward(slice(start + lo, start + hi), ids, valid, ones, 1)
+            with self.counted_as("prefill"):
+                self._forward(slice(start + lo, start + hi), ids, valid, ones, 1)
             bound = max(bound, width)
         self._bound = bound  # the old rows did not grow
+
+    def know_longest(self, max_length: int) -> None:
+        """The rows' longest length, as the host knows it exactly (a caller that counted what it fed):
+        the attended width follows it rather than an upper bound."""
+        self._bound = max_length
+
+    @torch.inference_mode()
+    def reserve(self, slots: int, columns: int) -> None:
+        """Buffers of at least `slots` slots, with room for rows of `columns` tokens, made now: growing
+        them later drops every captured graph, so a job that captures its steps beforehand reserves
+        what they will need first. Before any forward the buffers do not exist yet (their shapes come
+        from the model's keys): one forward of one token over a free slot makes them."""
+        S, L = self.cache.capacity
+        if slots > S:
+            self._grow(slots, L)
+        self._reserve(columns)
+        if not self._layers():
+            n, bound = self._num_rows, self._bound
+            if n == self.cache.capacity[0]:
+                self._grow(n + 1, self.cache.capacity[1])
+            one = torch.ones(1, 1, dtype=torch.int64, device=self.device)
+            with self.counted_as("prefill"):
+                self._forward(slice(n, n + 1), one, one.bool(), one[0], 1)
+            self._lengths[n] = 0
+            self._bound = bound
 
     def _attended(self, columns: int) -> int:
         """Columns a forward attends: `columns` rounded up to `width_bucket` (fewer shapes), within the buffer."""
@@ -440,76 +575,89 @@ class StaticRunner:
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
 
-def cuda_graph_capture(runner: StaticRunner, rows: int, width: int, max_logits: int, attend: int, pool) -> "CudaGraphStep":
+def cuda_graph_capture(runner: StaticRunner, fn: Callable, inputs: Sequence[torch.Tensor], attend: int, pool) -> "CudaGraphProgram":
     """GraphedSteps' capture on CUDA."""
-    return CudaGraphStep(runner, width, max_logits, attend=attend, pool=pool, rows=rows)
+    return CudaGraphProgram(runner, fn, inputs, attend, pool=pool)
 
 
-class CudaGraphStep:
-    """One StaticRunner forward of fixed (B, T, max_logits, width) captured as a CUDA graph, over the
-    slots 0 .. B - 1 (`rows`, at least the runner's rows, within its slots; the runner's rows by default).
+class CudaGraphProgram:
+    """A program (raysd.models.cuda_graphs: `fn(attend, *inputs)`, device tensors over the slots
+    0 .. R - 1, R the inputs' rows) captured as one CUDA graph. Calling it with inputs of the same
+    shapes copies them into its static inputs, replays the graph and returns fn's outputs: its own
+    static tensors, valid until it replays again. Valid while the runner's buffers stay where they
+    were at capture and its rows fit in R: rollback, select and add_rows work in place; only buffer
+    growth (doubling) moves them, after which a new capture is needed. CUDA only.
 
-    Call it like `runner.forward(chunks, chunk_valid, num_logits)` with B rows (the runner's, then
-    all-padding rows for its free slots: GraphedSteps pads): the inputs are copied into static
-    tensors, the graph is replayed, and the logits are returned (a copy). Valid while the runner's
-    buffers stay where they were at capture and it has at most B rows: rollback, select and add_rows
-    work in place; only buffer growth (doubling) moves them, after which a new capture is needed. The
-    attended width is fixed at capture (`width`): the step refuses to run once a row outgrows it. CUDA only.
-    """
+    Before capture, `fn` runs `warmup` times on a side stream (allocator, cuBLAS handles, and
+    torch.compile's compiles under a compiled runner), each time on the inputs given: what it writes
+    past the rows' lengths is overwritten before any query reads it, and the lengths are restored."""
 
-    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2,
-                 pool=None, rows: int | None = None):
+    def __init__(self, runner: StaticRunner, fn: Callable, inputs: Sequence[torch.Tensor], attend: int, warmup: int = 2,
+                 pool=None):
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if not runner._layers():
             raise ValueError("run one forward (the prefill) before capturing a step")
-        B, dev = rows or runner.num_rows, runner.device
-        if not runner.num_rows <= B <= runner.cache.capacity[0]:
-            raise ValueError(f"a step over {B} rows needs {runner.num_rows} <= rows <= the {runner.cache.capacity[0]} slots")
-        self.runner, self.T, self.n = runner, width, max_logits
-        self.keep = width if width <= SMALL_CHUNK else max_logits
-        self.attend = attend or runner.max_cache_len
-        runner._reserve(self.attend)
-        self.ids = torch.zeros(B, width, dtype=torch.int64, device=dev)
-        self.chunk_valid = torch.ones(B, width, dtype=torch.bool, device=dev)
-        self.num = torch.full((B,), max_logits, dtype=torch.int64, device=dev)
-        self.rows = slice(0, B)
-        self._pointers = buffer_pointers(self.runner)
-        with torch.inference_mode():
-            runner._lengths[runner.num_rows : B] = 0  # free slots, whose stale lengths could put the warm-up's writes past the buffer
-            saved = runner._lengths[:B].clone()  # the padding slots' too: the warm-up feeds every row
+        R, dev = inputs[0].shape[0], runner.device
+        if not 1 <= R <= runner.cache.capacity[0]:
+            raise ValueError(f"a step over {R} rows needs 1 <= rows <= the {runner.cache.capacity[0]} slots")
+        self.runner, self.rows, self.attend = runner, R, attend
+        runner._reserve(attend)
+        self.inputs = [t.clone() for t in inputs]
+        self._pointers = buffer_pointers(runner)
+        with torch.inference_mode(), runner.counted_as("graph"):
+            runner._lengths[runner.num_rows : R] = 0  # free slots, whose stale lengths could put the warm-up's writes past the buffer
+            saved = runner._lengths[:R].clone()
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up (allocator, cuBLAS handles) outside the graph
+            with torch.cuda.stream(side):  # warm-up outside the graph
                 for _ in range(warmup):
-                    self._step()
-                    runner._lengths[:B].copy_(saved)
+                    fn(attend, *self.inputs)
+                    runner._lengths[:R].copy_(saved)
             torch.cuda.current_stream(dev).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):  # a pool shared by a runner's graphs (GraphedSteps)
-                self.out = self._step()
-            runner._lengths[:B].copy_(saved)  # capture ran no kernels, but be explicit
-
-    def _step(self) -> torch.Tensor:
-        r = self.runner
-        lengths = r._lengths[self.rows]
-        out = r._device_step(self.rows, lengths, self.ids, self.chunk_valid, self.num, self.n, self.keep, self.attend)
-        lengths.add_(self.chunk_valid.sum(dim=1))
-        return out
+                self.outputs = fn(attend, *self.inputs)
+            runner._lengths[:R].copy_(saved)  # capture ran no kernels, but be explicit
 
     @torch.inference_mode()
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        r = self.runner
+        if r.num_rows > self.rows:
+            raise RuntimeError(f"the runner has {r.num_rows} rows, the step was captured for {self.rows}: capture a new step")
+        if buffer_pointers(r) != self._pointers:
+            raise RuntimeError("the runner's buffers moved (they grew): capture a new step")
+        for static, t in zip(self.inputs, inputs, strict=True):
+            assert static.shape == t.shape and static.dtype == t.dtype, (static.shape, t.shape)
+            static.copy_(t)
+        self.graph.replay()
+        return self.outputs
+
+
+class CudaGraphStep:
+    """One StaticRunner forward of fixed (B, T, max_logits, attended width) captured as a CUDA graph
+    (a CudaGraphProgram of `StaticRunner.step_slots`), over the slots 0 .. B - 1 (`rows`: at least the
+    runner's rows, within its slots; the runner's rows by default). Call it like
+    `runner.forward(chunks, chunk_valid, num_logits)` with B rows (the runner's, then all-padding rows
+    for its free slots); it returns a copy of the logits. It refuses to run once a row outgrows the
+    attended width (`attend`, the buffer's columns by default). CUDA only."""
+
+    def __init__(self, runner: StaticRunner, width: int, max_logits: int, attend: int | None = None, warmup: int = 2,
+                 pool=None, rows: int | None = None):
+        B, dev = rows or runner.num_rows, runner.device
+        if not runner.num_rows <= B:
+            raise ValueError(f"a step over {B} rows needs at least the runner's {runner.num_rows}")
+        self.runner, self.T = runner, width
+        attend = attend or runner.max_cache_len
+        inputs = (torch.zeros(B, width, dtype=torch.int64, device=dev), torch.ones(B, width, dtype=torch.bool, device=dev),
+                  torch.full((B,), max_logits, dtype=torch.int64, device=dev))
+        self.program = CudaGraphProgram(runner, functools.partial(runner.step_slots, n=max_logits), inputs, attend, warmup, pool)
+        self.attend = self.program.attend
+
     def __call__(self, chunks: torch.Tensor, chunk_valid: torch.Tensor, num_logits: torch.Tensor) -> torch.Tensor:
         r = self.runner
-        assert chunks.shape == self.ids.shape, (chunks.shape, self.ids.shape)
-        if r.num_rows > self.ids.shape[0]:
-            raise RuntimeError(f"the runner has {r.num_rows} rows, the step was captured for {self.ids.shape[0]}: capture a new step")
         if r._bound + self.T > self.attend:
             raise RuntimeError(f"rows outgrew the captured width {self.attend}: capture a wider step")
-        if buffer_pointers(self.runner) != self._pointers:
-            raise RuntimeError("the runner's buffers moved (they grew): capture a new step")
-        self.ids.copy_(chunks)
-        self.chunk_valid.copy_(chunk_valid)
-        self.num.copy_(num_logits)
-        self.graph.replay()
+        logits, = self.program(chunks, chunk_valid, num_logits)
         r._bound += self.T
-        return self.out.clone()
+        return logits.clone()

@@ -352,3 +352,26 @@ def test_a_plain_run_is_as_long_as_the_controller_would_keep_planning_plain_step
     guarded.end_plain_run(run, ran=2)  # a row retired at its second step: two steps given back
     assert guarded.guard.pause[4] == left - 1 and guarded.guard.paused_steps == paused + 1
     assert guarded.plain_run(4, 100).steps == left and guarded.guard.pause[4] == 0
+
+
+def test_learned_costs_with_the_devices_crossover_size_k_to_the_batch():
+    """With the device's crossover (tokens per forward past which it is compute-bound) a verify width
+    not yet timed costs the roofline's: flat while B (K + 1) tokens stay under it, growing past it. At
+    8 rows K = 4 pays (40 tokens), at 64 rows (320 tokens, 1.6x a plain step) K = 2 is the best; a
+    controller restricted to the captured lengths chooses among them."""
+    from raysd.core.speculation import AdaptiveConfig
+    from raysd.engine.adaptive import LearnedStepCosts, choose_k
+
+    costs = LearnedStepCosts(4, crossover_tokens=200)
+    for B in (8, 64):
+        costs.observe(B, 1, 0.010)  # a plain step: 10 ms, memory-bound
+    assert costs.target(8, 4) == pytest.approx(0.010) and costs.target(64, 4) == pytest.approx(0.016)
+    config = AdaptiveConfig()
+    assert choose_k([0.6] * 8, [4] * 8, config, costs) == 4
+    assert choose_k([0.6] * 64, [4] * 64, config, costs) == 2
+    assert choose_k([0.6] * 8, [4] * 8, config, costs, ks=(1, 3)) == 3
+    costs.observe(64, 5, 0.012)  # timed: the measurement wins over the model
+    assert costs.target(64, 4) == pytest.approx(0.012) and costs.target(64, 3) == pytest.approx(0.012)
+    plain_only = LearnedStepCosts(4)
+    plain_only.observe(64, 1, 0.010)
+    assert plain_only.target(64, 4) == math.inf  # without it: untried widths past double the widest

@@ -44,6 +44,16 @@ def _exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+@pytest.fixture(autouse=True)
+def _graphs_without_compiling(monkeypatch):
+    """On CUDA an engine replays CUDA graphs and compiles its forwards by default; compiling every
+    test's models would take the session's minutes, so here the default graphs run uncompiled kernels
+    and the tests that compile say so (compile=True)."""
+    import raysd.models.runner
+
+    monkeypatch.setattr(raysd.models.runner, "AUTO_COMPILE", False)
+
+
 def pytest_runtest_logreport(report):
     """A failure's traceback at once, not at the session's end: on the lent GPU a later hang (a Ray
     shutdown at a module's teardown) and the stage's time limit swallowed the summary (2026-11-28)."""

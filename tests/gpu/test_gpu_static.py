@@ -179,12 +179,59 @@ def test_engine_with_cuda_graphs_matches_eager(dtype, compile):
         return out, engine
 
     graphed, engine = run(True)
-    assert engine.target.rows.runner.graphs.replays > 0 and engine.draft.drafter.rows.runner.graphs.replays > 0
+    assert engine.target.rows.runner.counts.replays > 0 and engine.draft.drafter.rows.runner.counts.replays > 0
     expected = [hf_greedy(target, p, 24) for p in ps]
     if dtype == torch.float32:
         assert graphed == expected
     else:
         check_greedy_close(target, ps, graphed, expected)
+
+
+@needs_cuda
+def test_an_engine_on_cuda_replays_graphs_of_compiled_forwards_by_default(monkeypatch):
+    """EngineConfig() and DraftModelDrafter() on a CUDA device: CUDA graphs on, and torch.compile under
+    them (tests/gpu's conftest turns the compile off for the other tests; nothing is run here)."""
+    import raysd.models.runner
+
+    monkeypatch.setattr(raysd.models.runner, "AUTO_COMPILE", True)
+    target = tiny_on_device("llama", dtype=torch.bfloat16)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.bfloat16)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB), EngineConfig(SpeculationConfig(num_speculative_tokens=4)))
+    for runner in (engine.target.rows.runner, engine.draft.drafter.rows.runner):
+        assert runner.graphs is not None and runner._compiled is not None
+
+
+@needs_cuda
+@pytest.mark.parametrize("auto", [False, True], ids=["k4", "k-auto"])
+def test_steady_state_steps_are_replays_of_captured_programs(auto):
+    """The engine captures every program its steps replay before the first step (raysd.engine.graphs):
+    with rows finishing and refilling, the batch's tail and, under -k auto, K changing, no step captures
+    a graph or runs a forward eagerly, each drafting step is one draft replay and one verify replay, and
+    fp32 greedy tokens equal HF's (tests/engine/test_graphed_steps.py on the CPU with a stand-in capture)."""
+    from raysd.core.speculation import AdaptiveConfig
+
+    target = tiny_on_device("llama", dtype=torch.float32)
+    draft = tiny_on_device("llama", seed=3, layers=1, dtype=torch.float32)
+    ps = make_prompts(lengths=(5, 9, 3, 7, 4, 6, 8, 2) * 3)
+    budgets = [6 + i % 7 for i in range(len(ps))]
+    speculation = SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig() if auto else None)
+    engine = SpecEngine(target, DraftModelDrafter(draft, VOCAB, runner="static", cuda_graphs=True, compile=False),
+                        EngineConfig(speculation, max_batch_size=4, runner="static", cuda_graphs=True, compile=False))
+    runners = engine.target.rows.runner, engine.draft.drafter.rows.runner
+    per_step, step = [], engine.step
+
+    def counted_step():
+        before = [r.counts.copy() for r in runners]
+        verdict = step()
+        after = [r.counts.minus(b) for r, b in zip(runners, before)]
+        per_step.append((verdict.plan.k, sum(c.captures for c in after), sum(c.eager_forwards for c in after)))
+        return verdict
+
+    engine.step = counted_step
+    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(ps, budgets))])
+    assert [r.token_ids for r in out] == [hf_greedy(target, p, n) for p, n in zip(ps, budgets)]
+    assert all(captures == 0 and eager == 0 for _, captures, eager in per_step), per_step
+    assert engine.timings.graph_captures > 0 and engine.timings.eager_forwards == 0
 
 
 @needs_cuda
@@ -202,7 +249,7 @@ def test_a_batchs_tail_replays_padded_cuda_graphs():
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(ps, budgets))])
     assert [r.token_ids for r in out] == [hf_greedy(target, p, n) for p, n in zip(ps, budgets)]
     keys = engine.target.rows.runner.graphs.graphs
-    assert keys and {rows for rows, *_ in keys} <= {1, 2, 4, 8}
+    assert keys and {key.rows for key in keys} <= {1, 2, 4, 8}
 
 
 @needs_cuda

@@ -61,3 +61,41 @@ def test_static_runner_verify_chunk_logits_unchanged_by_packing():
         want = model(torch.cat([prompt, chunk], dim=1)).logits[:, -5:].float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert model.config._attn_implementation == "sdpa"
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("compiling", [False, True])
+def test_no_step_repeats_the_keys_and_values_per_query_head(T, compiling, monkeypatch):
+    """A decode step (T = 1) and a verify step (T = 5) through StaticRunner never materialise the
+    attended keys or values repeated per query head ([B, H, W, D]): transformers' sdpa does, with a
+    mask, for every chunk in 5.17 and under torch.compile (`compiling`) in 5.25. Those copies are
+    bandwidth that grows with the batch on a GPU."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    monkeypatch.setattr(sdpa, "is_torchdynamo_compiling", lambda: compiling)
+    model = tiny_model("llama", seed=3)  # 4 query heads over 2 key/value heads
+    H, D = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    runner = StaticRunner(model, linear_kernels="stock")
+    runner.add_rows(2)
+    prompt = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    runner.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), torch.ones(2, dtype=torch.int64), max_logits=1)
+    chunk = torch.randint(3, 96, (2, T), generator=torch.Generator().manual_seed(1))
+    with _Shapes() as seen:
+        runner.forward(chunk, torch.ones_like(chunk, dtype=torch.bool), torch.full((2,), T), max_logits=T)
+    W = runner._attended(runner._bound)
+    assert (2, H, W, D) not in seen.shapes and (2, H // 2, 2, W, D) not in seen.shapes

@@ -1,0 +1,122 @@
+"""Every program a job's steps will replay, captured before its first step (raysd.models.cuda_graphs).
+
+A graph is keyed by its program (the verify of K drafts per row, the draft's K steps, a catch-up
+feed), its rows' bucket, its attended width and its inputs' shapes. A job knows all of them before
+its first step: its batch size bounds the rows (`row_buckets`), its longest request bounds the
+attended width (`attend_buckets`), and the speculation config bounds K: the configured K and, for a
+plain step, 0; with `-k auto` every K from 0 up, and the catch-up feeds a drafter needs after plain
+steps. So nothing is captured or run eagerly in steady state: not when a row finishes (the next
+bucket is there), not when the controller changes K, not when rows grow past a width bucket.
+A proposal narrower than a captured width is padded to it (drafts no row counts: the verify's
+result is the same), and a draft model drafts up to the next captured K (its drafts past a row's
+room are never verified), so the widths captured are all a step ever uses.
+
+Captures run each program on zeros (a padding row's input: nothing is fed). The buffers are grown
+to their final size first, since growing them drops every graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from raysd.core.sampling import SamplingTensors
+from raysd.engine.drafters import PENDING, DraftModelDrafter, Drafter, NoDrafter, Proposal
+from raysd.models.cuda_graphs import attend_bucket, attend_buckets, row_buckets
+from raysd.models.static_runner import StaticRunner
+
+if TYPE_CHECKING:
+    from raysd.engine.step import DraftSide
+    from raysd.engine.target import TargetSide
+
+CATCH_UP = (4, 16)  # CacheRows.catch_up's forward widths
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What a job's steps can run: at most `rows` rows, each of at most `max_length` tokens; verifies
+    of the drafts per row in `verify_widths` (0: plain decoding), draft programs of the K in
+    `draft_ks`, and `catch_up` feeds (a drafter left behind by plain steps)."""
+
+    rows: int
+    max_length: int
+    verify_widths: tuple[int, ...]
+    draft_ks: tuple[int, ...]
+    catch_up: bool
+
+
+def capture_plan(drafter: Drafter, k: int, adaptive: bool, rows: int, max_length: int) -> CapturePlan:
+    """The plan of a job of `rows` rows of up to `max_length` tokens with K = `k` (the most, under an
+    adaptive controller, which may plan any K from 0 up to it). A draft model drafts the planned K
+    (rounded up to a captured one); NoDrafter never drafts; a model-free drafter proposes as many as
+    it finds, so every width up to K."""
+    ks = tuple(range(1, k + 1)) if adaptive else ((k,) if k else ())
+    if isinstance(drafter, NoDrafter):
+        widths, draft_ks = (0,), ()
+    elif type(drafter) is DraftModelDrafter:
+        widths, draft_ks = (0, *ks), ks
+    else:
+        widths, draft_ks = tuple(range(k + 1)), ()
+    return CapturePlan(rows, max_length, widths, draft_ks, adaptive and bool(draft_ks))
+
+
+def zeros_like_rows(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+    """Zeros of each input's trailing shape and dtype, `rows` rows: what a padding row is fed."""
+    return tuple(t.new_zeros(rows, *t.shape[1:]) for t in inputs)
+
+
+def capture_steps(target: TargetSide, draft: DraftSide, plan: CapturePlan) -> None:
+    """Capture every program of `plan` on both sides (where they have graphs), and set the widths
+    the sides round their steps up to. Call with the job's first rows admitted: a program's inputs
+    take their shapes from the rows' state and their sampling flags from the rows' parameters."""
+    sampling = SamplingTensors.from_params(target.batch.params, target.device)
+    target.verify_widths = plan.verify_widths
+    if isinstance(draft.drafter, DraftModelDrafter):
+        draft.drafter.draft_widths = plan.draft_ks
+    _capture_verifies(target, plan, sampling)
+    _capture_drafts(draft.drafter, plan, sampling, len(target.batch))
+
+
+def _capture_verifies(target: TargetSide, plan: CapturePlan, sampling: SamplingTensors) -> None:
+    """The target's verify of each width of the plan (TargetSide.verify_program), fed zero drafts."""
+    runner = target.rows.runner
+    if not (isinstance(runner, StaticRunner) and runner.graphs is not None and target._programs):
+        return
+    runner.reserve(plan.rows, attend_bucket(plan.max_length + 1 + max(plan.verify_widths)))
+    target._sampling = sampling
+    B, V = len(target.batch), target.vocab_size
+    for width in plan.verify_widths:
+        ids = torch.zeros(B, width, dtype=torch.int64, device=target.device)
+        proposal = Proposal(ids, ids.new_zeros(B), torch.zeros(B, width, V, device=target.device), (0,) * B,
+                            one_hot=sampling.all_greedy)
+        inputs, flags = target.verify_inputs(proposal, width)
+        P = inputs[0].shape[1]
+        _capture_all(runner, plan, ("verify", P, width, *flags), target.program_fn(width, flags), inputs, P + width)
+
+
+def _capture_drafts(drafter: Drafter, plan: CapturePlan, sampling: SamplingTensors, rows: int) -> None:
+    """A draft model's K steps for each K of the plan (DraftModelDrafter.draft_program), and its
+    catch-up feeds."""
+    runner = getattr(getattr(drafter, "rows", None), "runner", None)
+    if not (plan.draft_ks and isinstance(runner, StaticRunner) and runner.graphs is not None):
+        return
+    K = max(plan.draft_ks)
+    runner.reserve(plan.rows, attend_bucket(plan.max_length + PENDING + K))
+    drafter.reserve_probs(runner.cache.capacity[0], K)
+    for k in plan.draft_ks:
+        inputs = drafter.draft_inputs(k, sampling, torch.zeros(rows, k, device=runner.device))
+        _capture_all(runner, plan, *drafter.program(k, sampling), inputs, PENDING + k - 1)
+    if plan.catch_up:
+        for width in CATCH_UP:
+            chunk = torch.zeros(1, width, dtype=torch.int64, device=runner.device)
+            _capture_all(runner, plan, *runner.feed_program(width), (chunk, chunk.bool(), chunk[:, 0]), width)
+
+
+def _capture_all(runner: StaticRunner, plan: CapturePlan, program: tuple, fn, inputs: Sequence[torch.Tensor],
+                 advance: int) -> None:
+    """`program` for every row bucket and attended width the plan's steps can reach."""
+    for rows in row_buckets(plan.rows, runner.cache.capacity[0]):
+        for attend in attend_buckets(plan.max_length + advance, runner.max_cache_len):
+            runner.graphs.capture_at(program, fn, zeros_like_rows(inputs, rows), attend)
