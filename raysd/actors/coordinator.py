@@ -243,17 +243,18 @@ class SpecCoordinator:
         slots = cfg.micro_batch_size * num_micro_batches
         in_flight: deque[tuple[Pending, _MicroBatch]] = deque()  # steps submitted, oldest first
         failures = 0  # in a row, with no step completed in between
-        mark = time.perf_counter()  # the loop has been at work since
+        mark = time.perf_counter()  # the loop's time until then is counted
         while True:
+            now = time.perf_counter()
+            stats.engine_loop_s += now - mark  # at work since the last mark: a stream's reports see it as it runs
+            mark = now
             if refill is not None:
                 idle = not (waiting or in_flight or any(mb.rows for mb in mbs))
-                if idle:
-                    idle_from = time.perf_counter()
-                    stats.engine_loop_s += idle_from - mark
                 refill(waiting, idle)
                 if idle:
-                    mark = time.perf_counter()
-                    stats.engine_idle_s += mark - idle_from
+                    now = time.perf_counter()
+                    stats.engine_idle_s += now - mark
+                    mark = now
             if not (waiting or in_flight or any(mb.rows for mb in mbs)):
                 break
             try:
