@@ -179,18 +179,24 @@ def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
     return choose({r: median[r, False] for r in MEASURED_ROWS}, {r: median[r, True] for r in MEASURED_ROWS})
 
 
+def _version_of(weight: torch.Tensor) -> tuple[int, int | None]:
+    """Where a weight lives and how often it was written in place. A tensor made under inference_mode
+    keeps no version counter: its storage alone says whether it was replaced."""
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
+
+
 class _Packed:
     """One nn.Linear's copies and the forward that picks between them by row count."""
 
     def __init__(self, module: nn.Linear):
         weight = module.weight.detach()  # [N, K]
         self.weight, self.bias = weight, None if module.bias is None else module.bias.detach()
-        self.version = (weight.data_ptr(), weight._version)
+        self.version = _version_of(weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)  # oneDNN blocked [N, K]
 
     def stale(self, module: nn.Linear) -> bool:
         w = module.weight
-        return (w.data_ptr(), w._version) != self.version or (module.bias is None) != (self.bias is None)
+        return _version_of(w) != self.version or (module.bias is None) != (self.bias is None)
 
     def forward(self, x: torch.Tensor, choice: KernelChoice) -> torch.Tensor:  # x (..., K) -> (..., N)
         rows = x.numel() // x.shape[-1]

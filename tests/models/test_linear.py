@@ -46,6 +46,17 @@ def test_packed_forward_equals_linear(out_features, bias, shape):
     assert _switched(layer) == [False]
 
 
+def test_a_linear_made_under_inference_mode_packs():
+    """A model built inside inference_mode has weights with no version counter; packing keys them by
+    storage alone and computes what nn.Linear computes."""
+    with torch.inference_mode():
+        layer = nn.Linear(32, 48)
+        x = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
+        with model_linears(layer).active(PACKED):
+            got = layer(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_every_row_count_pads_to_a_bucket_or_runs_stock_with_the_same_results():
     """oneDNN caches a compiled primitive per shape (~0.6 MiB each): packed products see only the
     row counts of ROW_BUCKETS, the rows zero-padded up to the next; beyond the last, F.linear."""
