@@ -198,48 +198,48 @@ class DraftModelDrafter(Drafter):
         (`draft_widths`). A row's pending tokens but its last two (plain steps leave more) are fed
         first (CacheRows.catch_up), so the program always starts from a chunk of two."""
         B, device = len(max_drafts), self.rows.device
-        K = self.width(max(max_drafts))
+        k = self.width(max(max_drafts))
         self.rows.catch_up(keep=PENDING)
-        inputs = self.draft_inputs(K, sampling, uniforms)
-        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1, forwards=K)
-        host = (K - 1,) * B
-        self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
+        inputs = self.draft_inputs(k, sampling, uniforms)
+        tokens, probs = self.rows.runner.run(*self.program(k, sampling), inputs, PENDING + k - 1, forwards=k)
+        host = (k - 1,) * B
+        self.rows.mark_fed(tokens[:, : k - 1], host_to_device(host, torch.int64, device), host)
         num = host_to_device(list(max_drafts), torch.int64, device)
-        return Proposal(tokens, num, probs, tuple(int(k) for k in max_drafts), one_hot=sampling.all_greedy)
+        return Proposal(tokens, num, probs, tuple(int(n) for n in max_drafts), one_hot=sampling.all_greedy)
 
     def width(self, k: int) -> int:
         """The drafts a step of at most `k` per row makes: `k` rounded up to a captured width."""
         return min((w for w in self.draft_widths if w >= k), default=k)
 
-    def program(self, K: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
-        """The key and function (`draft_program`) of the program that drafts K per row with these rows'
+    def program(self, k: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
+        """The key and function (`draft_program`) of the program that drafts k per row with these rows'
         sampling flags (StaticRunner.run)."""
         flags = flags_of(sampling)
-        return ("draft", K, *flags, self.draft_top_m), functools.partial(self.draft_program, K, flags)
+        return ("draft", k, *flags, self.draft_top_m), functools.partial(self.draft_program, k, flags)
 
-    def draft_inputs(self, K: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def draft_inputs(self, k: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The draft program's inputs for the rows' pending tokens (at most PENDING each): pending
         tokens [B, PENDING] and their count [B], draws [B, K], the rows' temperature, top-k, top-p."""
         pending, count = self.rows.pending_inputs(PENDING)
-        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), K)
-        return pending, count, uniforms[:, :K].double(), sampling.temperature, sampling.top_k, sampling.top_p
+        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), k)
+        return pending, count, uniforms[:, :k].double(), sampling.temperature, sampling.top_k, sampling.top_p
 
-    def reserve_probs(self, slots: int, K: int) -> None:
-        """Room in the buffer the draft program writes draft_probs into for `slots` rows of K drafts.
+    def reserve_probs(self, slots: int, k: int) -> None:
+        """Room in the buffer the draft program writes draft_probs into for `slots` rows of k drafts.
         Growing it (rare: the first time, or more slots) drops the runner's captured graphs, which
         write into the old one."""
-        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= K:
+        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= k:
             return
-        K = max(K, 0 if self._probs is None else self._probs.shape[1])
-        self._probs = torch.zeros(slots, K, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
+        k = max(k, 0 if self._probs is None else self._probs.shape[1])
+        self._probs = torch.zeros(slots, k, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
         graphs = getattr(self.rows.runner, "graphs", None)
         if graphs is not None:
             graphs.graphs.clear()
 
-    def draft_program(self, K: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
+    def draft_program(self, k: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
                       top_p) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
-        one forward over each row's pending tokens, then K times: the draft's distribution (the rows'
+        """The k drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
+        one forward over each row's pending tokens, then k times: the draft's distribution (the rows'
         temperature, top-k, top-p: `flags` says which apply), a draw from it, and (but after the
         last) a forward over the draw. A padding row (count 0) feeds nothing. Returns [R, K] drafts and
         [R, K, V] draft_probs (a view of `_probs`, overwritten by the next program)."""
@@ -250,13 +250,13 @@ class DraftModelDrafter(Drafter):
         ones = torch.ones(R, dtype=torch.int64, device=pending.device)
         logits = runner.step_slots(attend, chunk, valid, ones, 1, keep=1)[0][:, 0]  # [R, V']
         tokens = []
-        probs = self._probs[:R, :K]  # [R, K, V]
-        for i in range(K):
+        probs = self._probs[:R, :k]  # [R, K, V]
+        for i in range(k):
             p = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
             t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
             probs[:, i] = p
             tokens.append(t)
-            if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
+            if i + 1 < k:  # the last draft is fed at the next step, with the verified tokens
                 logits = runner.step_slots(attend, t[:, None], live, ones, 1)[0][:, 0]
         return torch.stack(tokens, dim=1), probs
 

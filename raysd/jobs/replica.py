@@ -361,7 +361,7 @@ class GenerationReplica:
         started = time.perf_counter()
         cfg = with_eos_ids(cfg)  # a job's driver read them already
         self.cfg = cfg
-        self.K = cfg.effective_num_speculative_tokens
+        self.num_speculative_tokens = cfg.effective_num_speculative_tokens
         if stop_strings is None:
             stop_strings = bool(cfg.stop)
         parts = replica_parts(cfg, stop_strings)
@@ -482,7 +482,7 @@ class GenerationReplica:
                 tokenize_s += time.perf_counter() - t
                 kind = "prompt"
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, sample_seed(seed, j), 0.0, j)
+                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, sample_seed(seed, j), 0.0, j)
                               for j in samples]
                 for out in outputs[i]:
                     self.metrics.observe_row(out, kind)
@@ -529,7 +529,7 @@ class GenerationReplica:
                     ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
                 tokenize_s += time.perf_counter() - t
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0, j) for j in samples]
+                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, seed, 0.0, j) for j in samples]
                 self.live.add_errors(len(samples))
                 continue
             if samples:
@@ -537,7 +537,7 @@ class GenerationReplica:
                 wanted.append((i, samples, seed))
         spec = BeamSpec(cfg.beam_width, cfg.length_penalty, cfg.beam_config.early_stopping, cfg.num_return_sequences,
                         "none" if cfg.draft == NO_DRAFT else cfg.draft if cfg.draft in (NGRAM, SUFFIX) else "model",
-                        self.K, cfg.beam_lookup_budget, cfg.batch_size)
+                        self.num_speculative_tokens, cfg.beam_lookup_budget, cfg.batch_size)
         target = self.coordinator.target
         start = time.perf_counter()
         searched = answer(lambda: target.beam_search.remote(requests, spec, cfg.eos_token_ids), target, "target") if requests else []
@@ -614,7 +614,7 @@ class GenerationReplica:
             "draft_model": self.cfg.draft,
             "target_dtype": self.target_dtype,
             "draft_dtype": self.draft_dtype,
-            "num_speculative_tokens": self.K,
+            "num_speculative_tokens": self.num_speculative_tokens,
             "acceptance": self.cfg.acceptance,
             "tree_budget": self.cfg.tree_budget,
             "seed": seed,
