@@ -9,7 +9,7 @@ from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.actors.settings import PLACEMENT_STRATEGIES, REPLICA_SHAPES, replica_shape  # the first two: flag choices
 from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS  # what --logprobs-mode and --top-logprobs take
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
-from raysd.jobs.schema import MAX_NUM_SAMPLES
+from raysd.jobs.schema import MAX_NUM_SAMPLES, is_int
 from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
     AUTO_DTYPE,
     DEFAULT_MODEL,
@@ -43,12 +43,15 @@ BEAM_LOOKUP_BUDGET = 8
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class JobError(Exception):
     """A job that cannot run as asked. The message is one line naming the problem."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception in one line for a JobError or a failed row: its type and its message's first line
+    (Ray and Ray Data append lines of advice to a message; raysd's own first line says what failed)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class GenerateConfig:
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
             need(dtype in DTYPE_CHOICES, f"{flag} must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         k = self.num_speculative_tokens
-        need(k == AUTO or (isinstance(k, int) and not isinstance(k, bool)), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
+        need(k == AUTO or is_int(k), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
         P = self.tree_budget
         need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft, ngram or suffix), not none")
         object.__setattr__(self, "speculation", self._speculation())
@@ -162,13 +165,13 @@ class GenerateConfig:
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"--top-k must be >= 0 (0 disables), got {self.top_k}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
-        need(_is_int(self.num_samples) and 1 <= self.num_samples <= MAX_NUM_SAMPLES,
+        need(is_int(self.num_samples) and 1 <= self.num_samples <= MAX_NUM_SAMPLES,
              f"--num-samples must be an integer in 1..{MAX_NUM_SAMPLES}, got {self.num_samples!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         bad = [x for x in stop if not isinstance(x, str) or not x]
         need(not bad, f"--stop must be a non-empty string, got {bad[0]!r}" if bad else "")
-        need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+        need(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
              f"--top-logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
         if self.top_logprobs:  # the top N come with the emitted token's own, as in SamplingParams
             object.__setattr__(self, "logprobs", True)
@@ -179,7 +182,7 @@ class GenerateConfig:
         need(not (self.quiet and self.verbose), "--quiet and --verbose exclude each other")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
-        need(_is_int(self.target_tensor_parallel) and self.target_tensor_parallel >= 1,
+        need(is_int(self.target_tensor_parallel) and self.target_tensor_parallel >= 1,
              f"--target-tensor-parallel must be an integer >= 1, got {self.target_tensor_parallel!r}")
         need(self.num_gpus_per_actor >= 0, f"--num-gpus-per-actor must be >= 0, got {self.num_gpus_per_actor}")
         need(
@@ -210,8 +213,8 @@ class GenerateConfig:
     def _check_beams(self, need) -> None:
         """--beam-width and what goes with it: greedy settings only, one line per conflict."""
         W, N = self.beam_width, self.num_return_sequences
-        need(_is_int(W) and (W == 0 or W >= 2), f"--beam-width must be an integer >= 2 (0: off), got {W!r}")
-        need(_is_int(N) and 1 <= N <= max(W, 1),
+        need(is_int(W) and (W == 0 or W >= 2), f"--beam-width must be an integer >= 2 (0: off), got {W!r}")
+        need(is_int(N) and 1 <= N <= max(W, 1),
              f"--num-return-sequences must be in 1..--beam-width ({W})" if W else "--num-return-sequences needs --beam-width")
         need(self.early_stopping in EARLY_STOPPING_CHOICES,
              f"--early-stopping must be one of {', '.join(EARLY_STOPPING_CHOICES)}, got {self.early_stopping!r}")

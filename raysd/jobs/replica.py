@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.verdict import LoopStats
-from raysd.jobs.config import GenerateConfig
+from raysd.jobs.config import GenerateConfig, one_line
 from raysd.jobs.metrics import ReplicaMetrics
-from raysd.jobs.schema import num_samples_of
+from raysd.jobs.schema import is_int, num_samples_of
 from raysd.models.names import NGRAM, NO_DRAFT, SUFFIX
 
 if TYPE_CHECKING:  # a replica's process imports no torch (tests/jobs/test_light_imports.py)
@@ -48,10 +48,6 @@ def sample_seed(row_seed_: int, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _MAX_SEED
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -61,8 +57,7 @@ def prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] 
     try:
         return _prompt_token_ids(prompt, tokenizer, chat_template)
     except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate ("\ud800" in JSON) the tokenizer cannot encode
-        text = str(exc).strip().splitlines()
-        return None, f"prompt cannot be tokenized: {type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+        return None, f"prompt cannot be tokenized: {one_line(exc)}"
 
 
 def _prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] | None, str | None]:
@@ -79,7 +74,7 @@ def _prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int]
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             return None, "empty prompt"
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [int(t) for t in prompt], None
         if all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
             if tokenizer is None:
@@ -119,7 +114,7 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
     seed = row.get("seed")
     if seed is None:
         seed = row_seed(cfg.seed, row["id"])
-    elif not _is_int(seed) or not 0 <= seed <= _MAX_SEED:
+    elif not is_int(seed) or not 0 <= seed <= _MAX_SEED:
         return None, 0, f"seed must be an integer in [0, 2**63), got {seed!r}"
 
     def value(name):
@@ -127,8 +122,8 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
         return getattr(cfg, name) if v is None else v
 
     max_new, temperature, top_p, top_k = value("max_new_tokens"), value("temperature"), value("top_p"), value("top_k")
-    for name, v, ok, kind in (("max_new_tokens", max_new, _is_int, "an integer"), ("temperature", temperature, _is_number, "a number"),
-                              ("top_p", top_p, _is_number, "a number"), ("top_k", top_k, _is_int, "an integer")):
+    for name, v, ok, kind in (("max_new_tokens", max_new, is_int, "an integer"), ("temperature", temperature, _is_number, "a number"),
+                              ("top_p", top_p, _is_number, "a number"), ("top_k", top_k, is_int, "an integer")):
         if not ok(v):
             return None, seed, f"{name} must be {kind}, got {v!r}"
     stop, error = _row_stop(row.get("stop"), cfg.stop)
