@@ -340,6 +340,12 @@ class _LiveCounts:
         return {**counts, "first_row_at": self._first}
 
 
+def _samples_to_do(row: dict, n: int) -> list[int]:
+    """The sample indices 0..n-1 of a row that are not in the output yet (`done_samples`: a resumed job)."""
+    done = set(row.get("done_samples") or ())
+    return [j for j in range(n) if j not in done]
+
+
 class GenerationReplica:
     """Owns one SpecCoordinator (its draft and target actors) for the life of the job.
 
@@ -468,17 +474,14 @@ class GenerationReplica:
             if error is None:
                 params, seed, error = row_params(row, cfg)
             kind = "params"  # what an error row is (raysd.jobs.metrics.ERROR_KINDS)
-            samples = [j for j in range(n) if j not in set(row.get("done_samples") or ())]
+            samples = _samples_to_do(row, n)
             ids = None
             if error is None and samples:
-                t = time.perf_counter()
-                with self._tokenizer_lock:
-                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
-                tokenize_s += time.perf_counter() - t
+                ids, error, seconds = self._tokenize(row)
+                tokenize_s += seconds
                 kind = "prompt"
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, sample_seed(seed, j), 0.0, j)
-                              for j in samples]
+                outputs[i] = [self._error_row(ids, error, sample_seed(seed, j), j) for j in samples]
                 for out in outputs[i]:
                     self.metrics.observe_row(out, kind)
                 self.live.add_errors(len(samples))
@@ -516,15 +519,13 @@ class GenerationReplica:
         tokenize_s = 0.0
         for i, row in enumerate(rows):
             params, seed, error = row_params(row, cfg)
-            samples = [j for j in range(cfg.samples_per_prompt) if j not in set(row.get("done_samples") or ())]
+            samples = _samples_to_do(row, cfg.samples_per_prompt)
             ids = None
             if error is None and samples:
-                t = time.perf_counter()
-                with self._tokenizer_lock:
-                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
-                tokenize_s += time.perf_counter() - t
+                ids, error, seconds = self._tokenize(row)
+                tokenize_s += seconds
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, seed, 0.0, j) for j in samples]
+                outputs[i] = [self._error_row(ids, error, seed, j) for j in samples]
                 self.live.add_errors(len(samples))
                 continue
             if samples:
@@ -549,6 +550,18 @@ class GenerationReplica:
         report = self._report()
         report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s
         return outputs, report, {}
+
+    def _tokenize(self, row: dict) -> tuple[list[int] | None, str | None, float]:
+        """The row's prompt as token ids (`prompt_token_ids`: ids, or None and why not), and the seconds it took."""
+        start = time.perf_counter()
+        with self._tokenizer_lock:
+            ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, self.cfg.chat_template)
+        return ids, error, time.perf_counter() - start
+
+    def _error_row(self, prompt_ids: list[int] | None, error: str, seed: int, sample_index: int) -> dict:
+        """The output row of a sample that cannot run: no tokens, empty statistics, `error` saying why."""
+        return self._row(prompt_ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, seed, 0.0,
+                         sample_index)
 
     def _report(self) -> LoopStats:
         """What the stream measured since the last call took it (and, in the first report, the
