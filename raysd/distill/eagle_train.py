@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule, min_across_workers
+from raysd.distill.schedule import Schedule, length_batches, min_across_workers
 from raysd.distill.eagle_data import FeatureExample
 
 
@@ -156,23 +156,8 @@ class EagleLoss(nn.Module):
 
 
 def make_batches(examples: Sequence[FeatureExample], batch_tokens: int, rng: random.Random, max_context: int = 0) -> list[list[int]]:
-    def rows(i):
-        ex = examples[i]
-        return ex.features.shape[0] - _start(ex, max_context)
-
-    order = sorted(range(len(examples)), key=lambda i: (rows(i), rng.random()))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = max(cur_max, rows(i))
-        if cur and n * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, n = [], rows(i)
-        cur.append(i)
-        cur_max = n
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
+    """Batches of example indices (`length_batches`), each example as many rows as `collate` feeds."""
+    return length_batches([ex.features.shape[0] - _start(ex, max_context) for ex in examples], batch_tokens, rng)
 
 
 def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig, *, device="cpu",

@@ -1,11 +1,32 @@
-"""The optimizer-step schedule both draft trainers share: linear warm-up, cosine decay to 10% of the
-learning rate, and a run length that can be bounded in seconds as well as in steps."""
+"""What both draft trainers share: batches of examples of similar lengths, and the optimizer-step
+schedule (linear warm-up, cosine decay to 10% of the learning rate, and a run length that can be
+bounded in seconds as well as in steps)."""
 
 from __future__ import annotations
 
 import math
+import random
 import time
-from typing import Callable
+from typing import Callable, Sequence
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Indices into `lengths` in batches of similar lengths, each at most `batch_tokens` padded tokens
+    (its longest length times its size; a longer example is a batch alone), the batches in random
+    order. Sorting by length keeps the padding small; `rng` breaks ties and shuffles."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = max(cur_max, lengths[i])
+        if cur and n * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, n = [], lengths[i]
+        cur.append(i)
+        cur_max = n
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
 
 
 class Schedule:

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule, min_across_workers
+from raysd.distill.schedule import Schedule, length_batches, min_across_workers
 from raysd.distill.data import TeacherExample
 from raysd.models.layer_draft import head_logits, head_token_ids
 
@@ -132,24 +132,9 @@ def collate(examples: Sequence[TeacherExample], head_map: torch.Tensor, max_cont
 
 
 def make_batches(examples: Sequence[TeacherExample], batch_tokens: int, rng: random.Random, max_context: int = 0) -> list[list[int]]:
-    """Batches of example indices with similar lengths, at most `batch_tokens` padded tokens each, shuffled."""
-    def length(i):
-        ex = examples[i]
-        return len(ex.input_ids) - (max(0, ex.prompt_len - 1 - max_context) if max_context > 0 else 0)
-
-    order = sorted(range(len(examples)), key=lambda i: (length(i), rng.random()))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = max(cur_max, length(i))
-        if cur and n * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, n = [], length(i)
-        cur.append(i)
-        cur_max = n
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
+    """Batches of example indices (`length_batches`), each example as long as `collate` feeds it."""
+    cut = lambda ex: max(0, ex.prompt_len - 1 - max_context) if max_context > 0 else 0  # noqa: E731
+    return length_batches([len(ex.input_ids) - cut(ex) for ex in examples], batch_tokens, rng)
 
 
 def train_draft(
