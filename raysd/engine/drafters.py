@@ -181,10 +181,10 @@ class DraftModelDrafter(Drafter):
         logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
         tokens, probs = [], []
         for i in range(K):
-            p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
+            step_probs = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             tokens.append(t)
-            probs.append(p)
+            probs.append(step_probs)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
                 logits = self.rows.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = host_to_device(list(max_drafts), torch.int64, device)
@@ -252,9 +252,9 @@ class DraftModelDrafter(Drafter):
         tokens = []
         probs = self._probs[:R, :k]  # [R, K, V]
         for i in range(k):
-            p = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
-            probs[:, i] = p
+            step_probs = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
+            probs[:, i] = step_probs
             tokens.append(t)
             if i + 1 < k:  # the last draft is fed at the next step, with the verified tokens
                 logits = runner.step_slots(attend, t[:, None], live, ones, 1)[0][:, 0]
@@ -271,11 +271,11 @@ class DraftModelDrafter(Drafter):
         (StaticRunner.forward_tree over the level's nodes, after the row's cache and the
         levels above). `uniforms` is [B, >= shape.num_nodes]: node i's draw is uniforms[:, i].
 
-        A node's rank-0 child is drawn from the draft's distribution q after the node's path
-        (the row's temperature, top-k, top-p), with draft_probs = q, as a chain's draft; its
-        rank-r child (r >= 1) is the draft's r-th most likely token other than that draw, with a
-        one-hot draft_probs. Each child is a draw from its q or a function of its earlier
-        siblings, never of the verifier's draws, so multi-draft speculative sampling
+        A node's rank-0 child is drawn from the draft's distribution after the node's path
+        (the row's temperature, top-k, top-p), with draft_probs that distribution, as a chain's
+        draft; its rank-r child (r >= 1) is the draft's r-th most likely token other than that
+        draw, with a one-hot draft_probs. Each child is a draw from its draft_probs or a function
+        of its earlier siblings, never of the verifier's draws, so multi-draft speculative sampling
         (raysd.core.tree.tree_rejection_sample) stays exact (docs/trees.md). At temperature 0
         the tree is EAGLE-2's top-k tree (Li et al. 2024, arXiv 2406.16858).
 
@@ -297,9 +297,9 @@ class DraftModelDrafter(Drafter):
         above = -1  # the first node of the level above (-1: the root)
         for d, (s, e) in enumerate(levels):
             wide = self._draft_logits(logits.flatten(0, 1)).view(*logits.shape[:2], -1)  # [B, n, V]
-            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            t, level_probs = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
             tokens.append(t)
-            probs.append(q)
+            probs.append(level_probs)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
                 logits = self.rows.feed_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
                 self._fed_depth = d + 1
@@ -320,9 +320,9 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     """Draft nodes start .. end - 1 (one level of `shape`) from the draft's logits [B, n, V] (over
     the target's vocabulary) at the level above, whose first node is `above` (-1: the root, n = 1).
 
-    Each parent's rank-0 child is drawn from q = the draft's distribution (the rows' sampling
-    parameters, node i's draw uniforms[:, i]) with draft_probs = q; its rank-r child is the r-th
-    most likely other token, with a one-hot draft_probs. Returns [B, m] tokens and [B, m, V]
+    Each parent's rank-0 child is drawn from the draft's distribution (the rows' sampling
+    parameters, node i's draw uniforms[:, i]) with draft_probs that distribution; its rank-r
+    child is the r-th most likely other token, with a one-hot draft_probs. Returns [B, m] tokens and [B, m, V]
     draft_probs for the level's m nodes."""
     B, n = wide.shape[:2]
     level = range(start, end)
@@ -332,8 +332,8 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     for i, u, r in zip(level, up, rank):
         if r == 0:
             first[u] = i
-    q = logits_to_probs(wide, sampling)  # [B, n, V]
-    sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
+    parent_probs = logits_to_probs(wide, sampling)  # [B, n, V] the draft's distribution after each parent
+    sampled = sample_from_probs(parent_probs.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
     candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
     R = max(rank) + 1
     if R > 1:
@@ -343,7 +343,7 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     rank_t = torch.tensor(rank, dtype=torch.int64, device=wide.device)  # [m]
     tokens = candidates[:, up_t, rank_t]  # [B, m]
     one_hot = torch.zeros(B, len(up), wide.shape[-1], device=wide.device).scatter_(-1, tokens[..., None], 1.0)
-    return tokens, torch.where((rank_t == 0)[None, :, None], q[:, up_t], one_hot)  # [B, m], [B, m, V]
+    return tokens, torch.where((rank_t == 0)[None, :, None], parent_probs[:, up_t], one_hot)  # [B, m], [B, m, V]
 
 
 MAX_NGRAM_BRANCHES = 8  # earlier occurrences whose continuations a tree may hold
@@ -509,10 +509,10 @@ class FeatureDrafter(Drafter):
         # 2. Draft: each token drawn from the row's own distribution; its own hidden state is the next feature.
         drafts, probs = [], []
         for i in range(K):
-            p = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
+            step_probs = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             drafts.append(t)
-            probs.append(p)
+            probs.append(step_probs)
             if i + 1 < K:
                 self.model.features = hidden
                 logits = self.runner.forward(t[:, None], ones[:, None].bool(), ones, 1)[:, 0]
@@ -527,7 +527,7 @@ class FeatureDrafter(Drafter):
                      uniforms: torch.Tensor) -> Proposal:
         """EAGLE-2's tree (Li et al. 2024, arXiv 2406.16858, section 4) with this draft: the first
         `shape.nodes_within(max_depths[b])` nodes of `shape` per row, drafted level by level as
-        DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from q,
+        DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from the draft,
         rank-r children the r-th best other token), one forward per level but the deepest
         (StaticRunner.forward_tree). Each node's feature is the draft's own hidden state at its
         parent, the root's children's the hidden state after catching up on the target's
@@ -548,9 +548,9 @@ class FeatureDrafter(Drafter):
         above = -1  # the first node of the level above (-1: the root)
         for d, (s, e) in enumerate(levels):
             wide = _widen(logits.flatten(0, 1), self.vocab_size).view(B, logits.shape[1], -1)  # [B, n, V]
-            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            t, level_probs = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
             tokens.append(t)
-            probs.append(q)
+            probs.append(level_probs)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
                 up = torch.tensor([shape.parents[i] - above for i in range(s, e)], dtype=torch.int64, device=self.device)
                 self.model.features = hidden[:, up]  # [B, e - s, H]: each node reads its parent's hidden state

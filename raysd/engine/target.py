@@ -390,9 +390,9 @@ def path_overlaps(shape: TreeShape, tree: RejectionOutput, num_nodes: torch.Tens
     d = torch.arange(D, device=device)[None, :]
     tested = (d <= tree.num_accepted[:, None]) & (child >= 0) & (child < num_nodes[:, None])  # [B, D]
     V = target_probs.shape[-1]
-    p = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V]
-    q = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V]
-    overlap = torch.where(tested, torch.minimum(p, q).sum(dim=-1), 0.0)  # [B, D]
+    target_at = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V] after the path's node
+    draft_at = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V] its rank-0 child's law
+    overlap = torch.where(tested, torch.minimum(target_at, draft_at).sum(dim=-1), 0.0)  # [B, D]
     return overlap, tested.sum(dim=1)
 
 
