@@ -35,8 +35,9 @@ class Schedule:
     With `max_seconds` > 0 the run takes `steps`, or fewer when they would not fit in `max_seconds`. The
     length is planned after 2 `probe` steps from the pace of the last `probe` (the first ones carry one-time
     costs: a CUDA context, kernel selection, the allocator's warm-up), then planned again after 4, 8, 16, ...
-    `probe` steps from the pace since the previous plan: on an H200 steps 11-20 still ran at 2.5x the later
-    pace, and a run planned on them alone stopped at 61 of its 150 seconds. The cosine spans the planned run
+    `probe` steps from the pace since the previous plan: on a GPU the steps just after the first ones can still
+    run well below the later pace, and a run planned on them alone would stop long before its time
+    (docs/history/notes.md). The cosine spans the planned run
     (a later plan moves its end a little): a time-bounded run still ends at the low learning rate."""
 
     def __init__(self, steps: int, warmup_steps: int, max_seconds: float = 0.0, probe: int = 10, clock=time.perf_counter,

@@ -22,16 +22,15 @@ from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 # The default drafter: one constant, changed here only. Suffix decoding learns the job's own
-# templates at no model cost; on the embedded model it beat both n-gram lookup and plain decoding
-# on a templated dataset (1.87x plain at batch 1, 1.21x at 8, 1.02x at 32) and is about even on
-# Spec-Bench (docs/performance.md).
+# templates at no model cost; on the embedded model it beats both n-gram lookup and plain decoding
+# on a templated dataset and is about even on Spec-Bench (docs/performance.md).
 DEFAULT_DRAFT = "suffix"
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # K when --num-speculative-tokens is not given: chosen each step, so a drafter that does not pay
-# (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/history/benchmarks.md,
-# Benchmark 7). With --tree-budget P the same: each step drafts the chain or tree (of at most P
-# nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
+# (on a CPU, often the n-gram lookup) is switched off rather than slowing the job. With
+# --tree-budget P the same: each step drafts the chain or tree (of at most P nodes) of best
+# expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
 DEFAULT_MAX_NEW_TOKENS = 64
 # Beam search (--beam-width): HF's early_stopping values as the flag takes them, K under -k auto (beam
@@ -106,8 +105,8 @@ class GenerateConfig:
     # The model actors' small forwards (decode, verify, a draft model's proposing) replayed as CUDA
     # graphs captured per shape (raysd.models.cuda_graphs): needs GPUs, Llama-family models.
     cuda_graphs: bool = False
-    # Those forwards through torch.compile, the graphs capturing Inductor's fused kernels (an 8B step
-    # 1.3x faster on an H200; a compile per captured shape family at the start).
+    # Those forwards through torch.compile, the graphs capturing Inductor's fused kernels (a faster
+    # step on a large model, for a compile per captured shape family at the start: docs/performance.md).
     compile: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
@@ -313,10 +312,10 @@ class GenerateConfig:
         (`local_cores` known) without GPUs, the model actors share the machine's cores: each
         replica's target and draft model get an equal share, the target all of it with a
         model-free drafter. torch runs as many threads as its actor has CPUs (Ray sets
-        OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
-        than with one (docs/history/benchmarks.md, Benchmark 6); SmolLM2 through a job, 1.3x.
-        No core is kept for the replica's own process: it sleeps through each step (SpecCoordinator's
-        _ReadPacer). Elsewhere (GPUs, or a cluster) 1."""
+        OMP_NUM_THREADS), and a target decodes faster on all the cores than on one
+        (docs/history/benchmarks.md, Benchmark 6). No core is kept for the replica's own process:
+        it sleeps through each step (raysd.actors.transport's _ReadPacer). Elsewhere (GPUs, or a
+        cluster) 1."""
         if self.num_cpus_per_actor is not None:
             return self
         cpus = 1.0

@@ -192,7 +192,7 @@ _MAX_FOOTER_READERS = 32  # Ray Data's default pool
 def _footer_readers(num_files: int):
     """Ray Data's Parquet reader lists its files through a pool of FooterReader actors, 32 by
     default whatever the input: 32 Python processes started (and each importing Ray Data) per job,
-    ~1 s of CPU apiece, for an input of one or two files. The pool is sized to the input here, one
+    a second of CPU or so apiece, for an input of one or two files. The pool is sized to the input here, one
     actor per batch of footers, through the only knob Ray Data has for it (an environment
     variable, read when `read_parquet` builds its file indexer on the driver), set for that call
     alone. A value the user set is left as it is."""
