@@ -1,4 +1,4 @@
-"""Issue 41, the job layer: N samples per prompt (resumed per (id, sample_index)), stop strings,
+"""The job layer's options: N samples per prompt (resumed per (id, sample_index)), stop strings,
 log-probabilities, per-row top_p/top_k, dtype auto, the cloud extras' hint, and one-line errors
 for every new flag before anything loads."""
 

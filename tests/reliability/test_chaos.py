@@ -1,4 +1,4 @@
-"""Chaos: SIGKILL real processes in the middle of a real job (issue 6, items 1 and 2).
+"""Chaos: SIGKILL real processes in the middle of a real job.
 
 - the target actor (a colocated replica's one model actor, or a split replica's target), the draft
   actor of a split replica (restarted by Ray, the coordinator re-runs the rows in flight);
@@ -154,7 +154,7 @@ def test_no_pipeline_stage_asks_for_a_cpu(job_input, local_ray, tmp_path):
 
 def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
     """JobStats (the progress counts) is the one raysd actor of a job besides the stages. Its loss
-    must never end the job (issue 22): it lives on the driver's node, Ray restarts it if its
+    must never end the job: it lives on the driver's node, Ray restarts it if its
     process dies (empty: the summary says its counts are partial), and a report or a read that
     cannot reach it is dropped, whether the actor is gone (RayActorError) or unreachable for a
     moment (ActorUnavailableError, as while its node is being lost)."""

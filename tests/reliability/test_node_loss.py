@@ -1,4 +1,4 @@
-"""A job survives the loss of a worker node (issue 22), on a simulated multi-node cluster
+"""A job survives the loss of a worker node, on a simulated multi-node cluster
 (`ray.cluster_utils.Cluster`: several raylets on this machine; a node is lost by SIGKILLing its
 raylet and everything on it, as when a machine dies).
 
@@ -11,7 +11,7 @@ raylet and everything on it, as when a machine dies).
   replaces it. The lost replica retires once its actors cannot be placed (a short
   `--placement-timeout` here), its rows go back, and the job finishes them on the replica left, in
   a second pass; the summary says so.
-- One replica whose draft and target are on different nodes (`--placement-strategy SPREAD`, each
+- One replica whose draft and target are on different nodes (`--placement-strategy STRICT_SPREAD`, each
   node has CPUs for one of them); the worker node is lost. The head has a CPU to spare, so the lost
   actor comes back there.
 
