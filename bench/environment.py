@@ -1,8 +1,8 @@
 """Where and with what a result was measured: the machine, its load, the versions, the commit.
 
 Every result file carries these (bench.record), because a figure without its machine and load
-cannot be compared with another: this project's CPU machines have differed in SIMD (AVX2 against
-AVX-512), and the load of a shared 2-core machine moves tokens/s by tens of percent.
+cannot be compared with another: CPUs differ in SIMD (AVX2 against AVX-512), and on a machine
+shared with other work the load moves tokens/s by tens of percent.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import torch
 
 from raysd.models.loading import (DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MODEL, ModelSpec, draft_kind, eos_token_ids,
                                   load_eagle_draft, load_model, load_tokenizer, output_vocab_size)
+from raysd.models.names import MODEL_FREE
 
 ALIASES = {"draft": DEFAULT_DRAFT, "eagle": DEFAULT_EAGLE}
-MODEL_FREE = ("none", "ngram", "suffix")
 ASSISTED = "draft+ngram"
 ASSIST_K = 4  # the most n-gram drafts per draft-model step under draft+ngram
 

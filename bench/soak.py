@@ -13,7 +13,7 @@ state and over its second half (after allocators and caches have warmed up).
 Figures from this script are in docs/reliability.md.
 
 This soak kills nothing. The randomized fault soak (processes and nodes killed at random times
-on a simulated two-node cluster, issue 22) is `python -m tests.reliability.chaos --soak-kills 100`,
+on a simulated two-node cluster) is `python -m tests.reliability.chaos --soak-kills 100`,
 beside the fault helpers it uses; its table is in docs/reliability.md too.
 """
 
@@ -112,7 +112,7 @@ def median_slope(xs, ys) -> float | None:
     """Bytes per row, Theil-Sen: the median of the slopes between every two samples. A steady leak
     moves every pair; a one-off step (a batch's tail filling a bounded cache, a new allocator arena)
     moves only the pairs across it, so it does not read as a leak the way a least-squares fit at the
-    run's end does (a CI run's target actor: flat at 609 MiB for 900 rows, +7 MiB at the last sample)."""
+    run's end does (a target actor flat for hundreds of rows, then a few MiB more at the last sample)."""
     pairs = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
     return float(np.median(pairs)) * 2**20 if len(pairs) >= 3 else None
 
@@ -177,8 +177,8 @@ def main(argv=None) -> dict:
     steady = [s for s in samples if 0 < s["rows"] < a.rows and s["rss_mib"].get("target_actor", 0) > 0]
     classes = sorted({c for s in samples for c in s["rss_mib"]})
     # The second half's slope (median_slope) is the leak test: allocators and caches grow in the first
-    # minutes and then level off, which a short run's whole-run fit reads as a slope (a CI run of 2000
-    # rows saw the draft actor take 20 MiB early and none after).
+    # minutes and then level off, which a short run's whole-run fit reads as a slope (a draft actor
+    # that takes some MiB early and none after).
     late = [s for s in steady if s["rows"] >= a.rows / 2]
     per_class = {}
     for c in classes:

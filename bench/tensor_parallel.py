@@ -1,4 +1,4 @@
-"""Step costs of a tensor-parallel target on this machine (issue 43): TP = N against TP = 1.
+"""Step costs of a tensor-parallel target on this machine: TP = N against TP = 1.
 
 One step is one target forward of T = K + 1 tokens per row on B rows holding `--context` cached
 tokens, through the static runner with the engine's default kernels (raysd.models.profile

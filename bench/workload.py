@@ -18,6 +18,7 @@ import argparse
 from collections import Counter
 from typing import Sequence
 
+from raysd.cli import comma_list
 from raysd.distill.data import encode_prompt, read_prompts, split_holdout
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
@@ -26,13 +27,7 @@ PROMPT_SETS = ("spec_bench", "shortest", "heldout", "repetitive")
 DISTILL_HOLDOUT_PER_TASK = 4  # what `raysd distill --holdout-per-task` kept out of the shipped drafts
 
 
-def int_list(text: str) -> list[int]:
-    """"1,8" -> [1, 8]; "" -> []."""
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
-
-def str_list(text: str) -> list[str]:
-    return [x.strip() for x in str(text).split(",") if x.strip()]
+int_list, str_list = comma_list(int), comma_list(str)  # "1,8" -> [1, 8]; "" -> []
 
 
 def k_list(text: str) -> list[int | str]:

@@ -1,6 +1,7 @@
 """`raysd <command>`: each command lives in its own module, imported only when run.
 
-A command module defines `add_arguments(parser)` and `run(args) -> int`.
+A command module defines `add_arguments(parser)` and `run(args) -> int`; `comma_list` is the
+argument type of every flag that takes a list.
 """
 
 from __future__ import annotations
@@ -14,6 +15,18 @@ COMMANDS = {
     "study": ("raysd.study.cli", "profile a model pair and compare measured speedups with the theory"),
     "distill": ("raysd.distill.cli", "train a small draft model for a target by distillation"),
 }
+
+
+def comma_list(kind=str):
+    """An argparse type for a comma-separated list: "1,8" -> [1, 8] with `kind` int ("" -> [], blank
+    items dropped); an item `kind` refuses is argparse's usage error, naming the text."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,7 +82,7 @@ def fresh_cache_dir(path):
     """`path` made a raysd cache directory (RAYSD_CACHE_DIR) with no step-cost profiles, whose
     GGUF conversions are the machine's own: its `gguf` is a link to the cache in force now. A test
     that points RAYSD_CACHE_DIR at it measures its profiles afresh, but the embedded model is not
-    converted again (~14 s of two cores) in every test process and model actor that loads it."""
+    converted again (seconds of CPU) in every test process and model actor that loads it."""
     from raysd.models.gguf_cache import cache_root
 
     machine = cache_root() / "gguf"

@@ -45,23 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-batch-sizes", type=int_list, default=None, help="HF generate's batch sizes (default: --batch-sizes)")
 
 
-def beam_drafter(models: Models, name: str, a, K: int):
+def beam_drafter(models: Models, name: str, a, k: int):
     from raysd.engine.beam_drafters import DraftBeamSearch, LookupBeams
 
     if name in ("ngram", "suffix"):
-        return LookupBeams(models.drafter(name), a.lookup_budget, K)
+        return LookupBeams(models.drafter(name), a.lookup_budget, k)
     return DraftBeamSearch(models.draft_model(name), models.vocab_size, width=a.draft_width or None,
                            eos_token_ids=models.eos, name=name)
 
 
-def engine_run(models: Models, drafter: str, K: int, B: int, prompts: list[dict], a) -> dict:
+def engine_run(models: Models, drafter: str, k: int, B: int, prompts: list[dict], a) -> dict:
     from raysd.core.beam import BeamConfig
     from raysd.core.sampling import SamplingParams
     from raysd.engine.beam import BeamEngineConfig, BeamSearchEngine
     from raysd.engine.requests import Request
 
-    config = BeamEngineConfig(BeamConfig(a.beam_width), num_speculative_tokens=K, max_batch_size=B, eos_token_ids=models.eos)
-    engine = BeamSearchEngine(models.target, None if drafter == "none" else beam_drafter(models, drafter, a, K), config)
+    config = BeamEngineConfig(BeamConfig(a.beam_width), num_speculative_tokens=k, max_batch_size=B, eos_token_ids=models.eos)
+    engine = BeamSearchEngine(models.target, None if drafter == "none" else beam_drafter(models, drafter, a, k), config)
     requests = [Request(i, p["ids"], SamplingParams(max_new_tokens=a.max_new_tokens)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     with torch.inference_mode():

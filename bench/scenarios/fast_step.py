@@ -1,9 +1,9 @@
 """fast_step: what raysd adds per step and per job when a step takes milliseconds, as on a GPU.
 
-On a GPU an 8B target's decode step takes ~5-10 ms; the embedded SmolLM2 takes 60-300 ms here,
-which hides what the actors and Ray Data cost. This scenario builds (once per run, in a
-temporary directory) a random Llama target of hidden 256, 4 layers, vocabulary 8192, float32,
-whose step costs a few milliseconds on this CPU, and drafts of the same shape: a random 1-layer
+On a GPU an 8B target's decode step takes milliseconds; the embedded SmolLM2's on a CPU takes a
+hundred or so, which hides what the actors and Ray Data cost. This scenario builds (once per run,
+in a temporary directory) a random Llama target of hidden 256, 4 layers, vocabulary 8192, float32,
+whose step costs a few milliseconds on a CPU, and drafts of the same shape: a random 1-layer
 draft (`draft:K`, almost never accepted), the target's first half (`half:K`: its first layers with
 its embedding and head, accepted often) and the target itself (`self:K`: every draft accepted);
 token-id prompts of 16-64 random tokens; greedy, no EOS (every row makes --max-new-tokens). The

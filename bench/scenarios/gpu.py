@@ -1,5 +1,4 @@
-"""gpu: step costs, plain and speculative tokens/s, and the cost model's bounds (issue 8; from
-bench/gpu_bench.py). Meant for a GPU; `--quick` runs tiny shapes on a CPU in about a minute, a check
+"""gpu: step costs, plain and speculative tokens/s, and the cost model's bounds. Meant for a GPU; `--quick` runs tiny shapes on a CPU in about a minute, a check
 that the scenario works, NOT a measurement.
 
 Per batch size B, on the real runners (`--runners`; the bounds use the first):
@@ -32,7 +31,7 @@ variant at each rate; `--kernels` the target's decode and verify forwards' GPU t
 
     python -m bench run gpu --quick                                   # CPU smoke run
     python -m bench run gpu --ray --out $OUT/gpu_8b_1b                # on a GPU: 8B/1B, B 1 8 32 64, a .6 .8 .9
-    python -m bench run gpu --cuda-graphs on --runners graph --auto --kernels --count-syncs --rates 0.8  # issue 68
+    python -m bench run gpu --cuda-graphs on --runners graph --auto --kernels --count-syncs --rates 0.8  # graphs, kernels, syncs
 Writes the result JSON and, beside it, a .md with the table.
 """
 

@@ -193,7 +193,7 @@ def time_forward(model, batch: int, context: int, width: int, reps: int, warmup:
     return {"median_s": statistics.median(timer.samples), "spread": timer.spread, "reps": reps, "runner": runner_kind}
 
 
-def count_syncs(target, draft, V: int, K: int, batch: int, requests, device, graphs: bool = False) -> dict:
+def count_syncs(target, draft, V: int, k: int, batch: int, requests, device, graphs: bool = False) -> dict:
     """Host synchronisations per engine step (CUDA only): torch warns on each synchronising CUDA call
     under set_sync_debug_mode("warn"), counted inside each step (admission, prefill and the capture
     before the first step left out), over a short greedy generation. `graphs`: the engine's CUDA graphs
@@ -207,9 +207,8 @@ def count_syncs(target, draft, V: int, K: int, batch: int, requests, device, gra
     out = {}
     for name, make in (("ar", lambda: NoDrafter(V, device)),
                        ("raysd", lambda: DraftModelDrafter(draft, V, cuda_graphs=graphs, compile=False))):
-        k = 0 if name == "ar" else K
-        engine = SpecEngine(target, make(), EngineConfig(SpeculationConfig(k), max_batch_size=batch, cuda_graphs=graphs,
-                                                         compile=False))
+        speculation = SpeculationConfig(0 if name == "ar" else k)
+        engine = SpecEngine(target, make(), EngineConfig(speculation, max_batch_size=batch, cuda_graphs=graphs, compile=False))
         engine.generate(requests(1))  # first calls (and, with graphs, the captures) not counted below
         per_step, step = [], engine.step
 

@@ -2,7 +2,7 @@
 drafting overlapped with batched verification (raysd.actors.coordinator says which, and how).
 
 The names below load on first use (PEP 562): `raysd.actors.local`, which a job's driver imports
-to start Ray, then costs no torch and transformers import (a second of CPU on the job's start).
+to start Ray, then costs no torch and transformers import (seconds of CPU on the job's start).
 """
 
 import importlib

@@ -316,14 +316,7 @@ class SpecCoordinator:
         if self.draft is not None:
             mb.last, mb.last_verify_s = dataclasses.replace(verdict, finished=()), timings.verify_s
             mb.last_steps = timings.steps
-        stats.steps += timings.steps
-        stats.drafted_steps += timings.drafted_steps
-        stats.borrowed_steps += timings.borrowed_steps
-        stats.graph_replays += timings.graph_replays
-        stats.eager_forwards += timings.eager_forwards
-        stats.graph_captures += timings.graph_captures
-        stats.draft_s += timings.draft_s
-        stats.verify_s += timings.wall_s - (timings.draft_s if self.draft is None else 0.0)  # a colocated call drafts too
+        stats.add_call(timings, colocated=self.draft is None)
         stats.last_step_at = time.time()
         if stats.first_step_at is None:
             stats.first_step_at = stats.last_step_at

@@ -43,9 +43,10 @@ def in_passing_thread(fn: Callable, *args):
     region, and once it manages more threads than there are cores it stops spinning at its
     barriers: every parallel op then sleeps and wakes its workers. A step runs in the compiled
     graph's execution thread, not the main one; had the main thread run parallel work (a step-cost
-    profile's forwards), its pool would live on beside the steps' (2 cores, 2 threads, small ops:
-    a second thread 40% slower than the first while the first's pool lives; as fast once the
-    first thread has ended). A pool goes with the thread that made it.
+    profile's forwards), its pool would live on beside the steps' and slow them: with as many
+    threads as cores and small ops, a second thread runs markedly slower than the first while the
+    first's pool lives, as fast once the first thread has ended. A pool goes with the thread that
+    made it.
     """
     out: list = []
 

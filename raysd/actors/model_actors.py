@@ -482,7 +482,7 @@ class TargetWorker:
         """Before `step`, in the same step graph: through a call the draft actor lends its threads to
         (one micro-batch: this actor has nothing else to do), sleep until the draft rings that its
         proposal is ready, rather than spin in the channel read (Ray 2.60: sched_yield) beside the
-        drafting, which that spin slows (2 cores, fast-step target, B = 8, K = 4: ~10% of the wall). A ring
+        drafting, which that spin slows where the two share the cores (raysd.actors.turns). A ring
         that never comes (the draft actor lost) ends the sleep after a few proposals' time, and the
         channel read then reports the loss. Returns `call` unchanged."""
         if call.proposal_doorbell is not None and self.doorbell is not None:
@@ -559,7 +559,7 @@ class TargetWorker:
 
 
 # A test hook: "CALLS:SECONDS" makes a target actor's first CALLS step calls each sleep SECONDS
-# before stepping (tests/reliability/test_slow_steps.py: a step slower than any read deadline).
+# before stepping (tests/reliability/test_busy_machine.py: a step slower than any read deadline).
 SLOW_STEPS_ENV = "RAYSD_TEST_SLOW_STEPS"
 _slow_calls_done = 0
 

@@ -3,12 +3,12 @@
 With one micro-batch the draft actor and the target actor never compute at once: while the target
 verifies (or decodes a plain run, Proposed.steps), the draft actor waits for the next call. On a
 machine of few cores the target then runs faster with the draft actor's threads as well as its
-own (raysd.actors.model_actors.borrowed_threads), but only if the draft actor truly sleeps: Ray 2.60's compiled-graph
-channel read spins (sched_yield in PlasmaObjectHeader::ReadAcquire), and a spinning process beside
-a two-thread product makes it slower than one thread alone (2 cores, the fast-step target's decode
-step: B = 8 9.3 ms against 6.6 ms on one thread and 5.3 ms on two; B = 32 12.5, 11.2, 8.0 ms).
-So the draft actor blocks on a `Doorbell` (a datagram socket: no spinning, no polling) until the
-target `ring`s it at the call's end, and only then goes back to the channel. The target likewise
+own (raysd.actors.model_actors.borrowed_threads), but only if the draft actor truly sleeps: Ray
+2.60's compiled-graph channel read spins (sched_yield in PlasmaObjectHeader::ReadAcquire), and on
+a machine with as many cores as threads a spinning process beside a two-thread product makes it
+slower than one thread alone (docs/history/benchmarks.md, Benchmark 11). So the draft actor
+blocks on a `Doorbell` (a datagram socket: no spinning, no polling) until the target `ring`s it
+at the call's end, and only then goes back to the channel. The target likewise
 sleeps on its own through the draft's proposing, until the draft rings that its proposal is ready.
 
 The replica's coordinator waits the same way for each call's result (`Doorbell.wait_for`): the

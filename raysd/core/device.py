@@ -2,10 +2,10 @@
 
 PyTorch's blocking copy of pageable host memory to a GPU (`torch.tensor(values, device="cuda")`,
 `cpu_tensor.to("cuda")`) returns only once the stream has run everything queued before it: the host
-then launches the rest of the step's kernels while the GPU idles. On an H100 the engine made 5.5 such
-synchronisations per plain decode step and 12.8 at K = 4 (docs/performance.md, GPU), most of them
-small per-step tensors (lengths, pending tokens, draft counts). These go through pinned memory
-instead, asynchronously: the caching host allocator keeps a pinned block until its copy has run.
+then launches the rest of the step's kernels while the GPU idles. A step copies several small
+tensors (lengths, pending tokens, draft counts), each of which would be such a synchronisation.
+They go through pinned memory instead, asynchronously: the caching host allocator keeps a pinned
+block until its copy has run.
 """
 
 from __future__ import annotations

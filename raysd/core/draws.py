@@ -58,10 +58,10 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, num_draws: in
     return ((hi << 26) + lo).double() * 2.0**-53  # [B, N]
 
 
-def step_uniforms(seeds, positions, K: int, device) -> torch.Tensor:
-    """[B, 2K + 1] float64 draws for one speculative step, computed on `device`: K for drafting
-    (a tree: one per node), K for acceptance, 1 for the final token, keyed by each row's seed
+def step_uniforms(seeds, positions, k: int, device) -> torch.Tensor:
+    """[B, 2k + 1] float64 draws for one speculative step, computed on `device`: k for drafting
+    (a tree: one per node), k for acceptance, 1 for the final token, keyed by each row's seed
     and the tokens it has generated so far (host sequences or arrays)."""
     keys = torch.as_tensor(np.stack([np.asarray(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64)]))  # [2, B]
     keys = host_to_device(keys, torch.int64, device)
-    return counter_uniforms(keys[0], keys[1], 2 * K + 1)
+    return counter_uniforms(keys[0], keys[1], 2 * k + 1)

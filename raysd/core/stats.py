@@ -124,7 +124,7 @@ class BatchStats:
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        K = self.K = num_speculative_tokens
+        K = self.num_speculative_tokens = num_speculative_tokens
         for name in _COUNTERS:
             setattr(self, name, np.zeros(0, dtype=np.float64 if name == "overlap_sum" else np.int64))
         self.histogram = np.zeros((0, K + 1), dtype=np.int64)  # [B, K + 1] steps that accepted exactly j
@@ -155,12 +155,13 @@ class BatchStats:
         B = len(self)
         if any(a.shape != (B,) for a in arrays) or np.shape(overlap_sums) != (B,):
             raise ValueError(f"a step needs one count per row ({B})")
-        ok = (accepted >= 0) & (accepted <= drafted) & (accepted <= self.K) & (offered >= 0) & (offered <= self.K)
+        k = self.num_speculative_tokens
+        ok = (accepted >= 0) & (accepted <= drafted) & (accepted <= k) & (offered >= 0) & (offered <= k)
         ok &= (drafted <= offered) | (branch is not None)  # a tree verifies more nodes than its depth K
         if not ok.all():
             b = int(np.flatnonzero(~ok)[0])
             raise ValueError(f"bad step for row {b}: {accepted[b]} accepted of {drafted[b]} drafted, "
-                             f"K={offered[b]} offered (max {self.K})")
+                             f"K={offered[b]} offered (max {k})")
         self.steps += 1
         self.offered += offered
         self.no_draft += offered == 0
@@ -169,13 +170,13 @@ class BatchStats:
         self.tested += tested
         self.overlap_sum += np.asarray(overlap_sums, dtype=np.float64)
         np.add.at(self.histogram, (np.arange(B), accepted), 1)
-        self.per_position += np.arange(self.K)[None, :] < accepted[:, None]
+        self.per_position += np.arange(k)[None, :] < accepted[:, None]
         if branch is not None:
             self.branch += np.asarray(branch, dtype=np.int64)
 
     def row(self, b: int) -> SpecDecodeStats:
         return SpecDecodeStats(
-            self.K, num_spec_steps=int(self.steps[b]), num_draft_tokens=int(self.drafted[b]),
+            self.num_speculative_tokens, num_spec_steps=int(self.steps[b]), num_draft_tokens=int(self.drafted[b]),
             num_accepted_draft_tokens=int(self.accepted[b]), acceptance_histogram=self.histogram[b].tolist(),
             accepted_per_position=self.per_position[b].tolist(), overlap_sum=float(self.overlap_sum[b]),
             num_tested_positions=int(self.tested[b]), speculation_length_sum=int(self.offered[b]),

@@ -2,7 +2,9 @@
 
 Notation: alpha is the expected per-token acceptance rate (1 - TV(target, draft)), k (K, gamma)
 the number of drafted tokens per step, cost_ratio c = T_draft / T_target per forward pass.
-Sources are the papers summarised in shared/research/papers.md; tags [V]/[S]/[D] follow those notes.
+Each function cites its source. Tags: [V] checked against the paper itself, [S] taken from a
+secondary account of it, [D] derived here from the cited formulas (raysd's own model, not a
+published result).
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ import numpy as np
 # closed interval by BOUND_TOL (absolute for bounds of magnitude <= 1, relative beyond) and is
 # then clamped onto the bound; further out it raises ValueError. Why: such arguments are computed
 # in floating point, and rounding may put them just past a bound they satisfy exactly. This
-# module's float64 formulas err by < 1e-12 (expected_tokens_per_step(0.75, 0) was
-# 0.9999999999999999 before the clamp); raysd's acceptance rates (alpha_estimate, `raysd study`'s
-# alpha) are float32 sums of min(p, q) over the vocabulary, measured up to 1 + 2.4e-5 at
-# V = 151,936. 1e-4 covers both with margin, while a probability of 1.001 or 0.999 expected
+# module's float64 formulas err by < 1e-12 (expected_tokens_per_step(0.75, 0) computes
+# 0.9999999999999999 unclamped); raysd's acceptance rates (alpha_estimate, `raysd study`'s
+# alpha) are float32 sums of min(target_probs, draft_probs) over the vocabulary, which reach
+# 1 + 2.4e-5 at V = 151,936. 1e-4 covers both with margin, while a probability of 1.001 or 0.999 expected
 # tokens still raise. Times and cost ratios get no tolerance: they are inputs, not rounded onto a
 # bound, and a negative one is a mistake. (Two other constants are not bound checks: the 1e-3 on
 # entropy_moments' row sums, which accepts unnormalised float32/bf16 softmax rows, and optimal_k's
@@ -172,8 +174,8 @@ def expected_extra_tokens(p_accept: float, n: int) -> float:
     """E_0 from the recursion E_k = P (1 + E_{k+1}) for k < N, E_N = 0.
 
     E_k is the expected number of further drafts accepted given positions 0..k-1 were accepted,
-    with per-token acceptance probability P and N drafted tokens. Not in the notes as a cited
-    result [D]; E_0 + 1 reproduces Leviathan et al. 2023 eq. 1 with alpha = P, K = N.
+    with per-token acceptance probability P and N drafted tokens [D]; E_0 + 1 reproduces
+    Leviathan et al. 2023 eq. 1 with alpha = P, K = N.
     """
     p, n = _prob("p_accept", p_accept), _int("n", n, 0)
     e = 0.0
@@ -209,8 +211,8 @@ def serial_speedup(expected_tokens: float, t_target_1: float, t_target_k1: float
                    t_draft: float, k: int, t_comm: float = 0.0) -> float:
     """E * T_target(B,1) / (T_target(B,K+1) + K T_draft(B) + T_comm).
 
-    papers.md §1.5 [D], generalising Leviathan Theorem 3.8 to measured per-step times at one
-    batch size B. t_comm (default 0) is the per-round draft->target transfer.
+    raysd's cost model for a batched, two-device design [D], generalising Leviathan et al. 2023
+    Theorem 3.8 to measured per-step times at one batch size B. t_comm (default 0) is the per-round draft->target transfer.
     """
     e, t1, tk1, td, k, tc = _cost_args(expected_tokens, t_target_1, t_target_k1, t_draft, k, t_comm)
     return e * t1 / (tk1 + k * td + tc)
@@ -220,7 +222,7 @@ def overlapped_speedup(expected_tokens: float, t_target_1: float, t_target_k1: f
                        t_draft: float, k: int, t_comm: float = 0.0) -> float:
     """E * T_target(B,1) / max(T_target(B,K+1) + T_comm, K T_draft(B)).
 
-    papers.md §1.5 [D], PEARL/AMUSD-style perfect overlap. Optimistic upper estimate: drafts
+    raysd's cost model [D] with PEARL/AMUSD-style perfect overlap. Optimistic upper estimate: drafts
     made past a rejection are wasted. Always >= serial_speedup for the same arguments.
     """
     e, t1, tk1, td, k, tc = _cost_args(expected_tokens, t_target_1, t_target_k1, t_draft, k, t_comm)
@@ -245,7 +247,7 @@ def expected_rejections(tv_distances: Sequence[float]) -> float:
 
 
 def pareto_front_tv_loss(rejection_prob: float, tv: float) -> float:
-    """Optimal output TV loss at a given rejection probability: Loss*_TV = TV(p, q) - P(reject).
+    """Optimal output TV loss at a given rejection probability: Loss*_TV = TV(target, draft) - P(reject).
 
     Yin et al. 2024, Theorems 4-5 [S]: the front is the straight line from (0, TV) to (TV, 0).
     Endpoints: rejection_prob = TV is standard (lossless) speculative decoding, loss 0;

@@ -7,16 +7,17 @@ candidate). One target forward over every node gives `target_probs[0]` (after th
 context) and `target_probs[i + 1]` (after node i's path).
 
 Verification walks down from the root. At the current node, its children are tested in
-order: child x, drawn from q, is accepted with probability min(1, p(x) / q(x)), p the
-current target distribution there; on a rejection p becomes the residual
-norm(max(0, p - q)) and the next child is tried. An accepted child emits its token and
-becomes the current node (p: the target after its path); when every child is rejected,
-or the node has none, one more token is drawn from p (recovered or bonus) and the step ends.
+order: child x, drawn from draft_probs, is accepted with probability
+min(1, target_probs(x) / draft_probs(x)), target_probs the current target distribution there;
+on a rejection target_probs becomes the residual norm(max(0, target_probs - draft_probs)) and
+the next child is tried. An accepted child emits its token and becomes the current node
+(target_probs: the target after its path); when every child is rejected, or the node has none,
+one more token is drawn from target_probs (recovered or bonus) and the step ends.
 
 This is SpecInfer's multi-step speculative sampling (Miao et al. 2024, arXiv 2305.09781,
 Algorithm 2 "MSS") for children drawn i.i.d. from the parent's draft distribution, and the
-top-k tree rule of EAGLE-2 / SGLang for deterministic candidates (q one-hot: accept x with
-probability p(x), else drop x from p). Each test is Leviathan et al.'s exact rule against
+top-k tree rule of EAGLE-2 / SGLang for deterministic candidates (draft_probs one-hot: accept x
+with probability target_probs(x), else drop x from target_probs). Each test is Leviathan et al.'s exact rule against
 the distribution that remains, so by induction every emitted token follows the target
 given the tokens before it, provided each child's draw is independent of the verifier's
 draws (children are drafted before verification). With a chain (every node the only child

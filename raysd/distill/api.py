@@ -45,7 +45,7 @@ class DistillConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1
     device: str = "cpu"  # where the driver runs the target (data generation, evaluation)
-    # the target's dtype while it only generates teacher data (--data-only): bfloat16 generates ~1.5x faster on a
+    # the target's dtype while it only generates teacher data (--data-only): bfloat16 generates faster on a
     # CPU with AVX512-BF16; training and evaluation always load it in float32 (the draft's frozen pieces)
     teacher_dtype: str = "float32"
     save_dtype: str = "bfloat16"

@@ -6,13 +6,7 @@ import argparse
 import json
 import os
 
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+from raysd.cli import comma_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,13 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-prompts-per-task", type=int, default=0,
                    help="skip each task's first N usable training prompts (more data after a run with --max-prompts-per-task N)")
     g.add_argument("--holdout-per-task", type=int, default=0, help="prompts per task kept out of training for --evaluate")
-    g.add_argument("--temperatures", type=_floats, default=[0.0, 1.0],
+    g.add_argument("--temperatures", type=comma_list(float), default=[0.0, 1.0],
                    help="--kind eagle: continuations at each of these temperatures (0 and/or 1)")
     g.add_argument("--code-prompts", type=int, default=0,
                    help="--kind eagle: also N windows of Python standard-library files (raw text), a fixed tenth held out")
-    g.add_argument("--code-windows", type=_ints, default=[0],
+    g.add_argument("--code-windows", type=comma_list(int), default=[0],
                    help="--kind eagle: which windows of each code file, e.g. 0,1,2 (0: the first; j: the j-th after it, for more data)")
-    g.add_argument("--holdout-tasks", type=lambda s: [x for x in s.split(",") if x], default=[],
+    g.add_argument("--holdout-tasks", type=comma_list(), default=[],
                    help="tasks kept entirely out of training, e.g. translation")
     g.add_argument("--topk", type=int, default=32, help="teacher log-probabilities kept per position")
     g.add_argument("--gen-batch-size", type=int, default=8)
@@ -51,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("draft")
     g.add_argument("--output", "-o", help="output directory for the draft (raysd_draft.json + draft.safetensors)")
     g.add_argument("--layers", type=int, default=2, help="decoder layers in the draft")
-    g.add_argument("--init-layers", type=_ints, help="target layers to start from, e.g. 0,29 (default: the first ones)")
+    g.add_argument("--init-layers", type=comma_list(int), help="target layers to start from, e.g. 0,29 (default: the first ones)")
     g.add_argument("--head-vocab", type=int, default=0, help="FR-Spec: score only the N most frequent tokens (0: all)")
     g.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     g = p.add_argument_group("training")
@@ -86,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation")
     g.add_argument("--evaluate", action="store_true", help="measure alpha per task and speedups on the held-out prompts")
     g.add_argument("--eval-k", type=int, default=4, help="speculative tokens per step")
-    g.add_argument("--eval-batch-sizes", type=_ints, default=[1, 8])
+    g.add_argument("--eval-batch-sizes", type=comma_list(int), default=[1, 8])
     g.add_argument("--eval-max-new-tokens", type=int, default=64)
     g.add_argument("--report", help="also write the evaluation report (json) here")
 

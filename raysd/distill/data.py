@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-# Spec-Bench's MT-bench categories form one task; its other categories are tasks of their own.
-MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+from raysd.study.prompts import task_of
+
 _TEXT_FIELDS = ("prompt", "text", "instruction", "question", "input")
 
 
@@ -28,12 +28,6 @@ class Prompt:
     task: str  # Spec-Bench task (mt_bench, translation, ...), a file's "category"/"task", or "default"
     id: str
     raw: bool = False  # encode as raw text even when the tokenizer has a chat template (code prompts)
-
-
-def task_of(category: str | None) -> str:
-    if not category:
-        return "default"
-    return "mt_bench" if category in MT_BENCH_CATEGORIES else str(category)
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:

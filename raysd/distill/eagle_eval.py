@@ -5,7 +5,7 @@ For every chain start n in a continuation (the target has just produced x_{n+1} 
 the draft drafts K steps exactly as a drafter does: step 1 from the target's feature f_n, steps 2..K from
 its OWN previous hidden state, with the target's continuation as the tokens (the path on which every
 earlier draft was accepted). At each step the expected acceptance of the rejection test is
-1 - TV(target_probs, draft_probs) = sum_x min(p(x), q(x)) under the row's sampling parameters: at
+1 - TV(target_probs, draft_probs) = sum_x min(target_probs, draft_probs) under the row's sampling parameters: at
 temperature 0 both are one-hot (argmax agreement), at temperature 1 the full softmaxes (the draft's is
 0 outside an FR-Spec head).
 
@@ -26,12 +26,13 @@ from raysd.models.eagle_draft import final_norm
 from raysd.distill.eagle_train import ttt_mask
 
 
-def _overlap(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def _overlap(target_row_logits: torch.Tensor, draft_row_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum_x min(target_probs, draft_probs) at `temperature` (0: whether the argmaxes agree)."""
     if temperature == 0:
-        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
-    p = torch.softmax(p_logits.float() / temperature, dim=-1)
-    q = torch.softmax(q_logits.float() / temperature, dim=-1)
-    return torch.minimum(p, q).sum(-1)
+        return (target_row_logits.argmax(-1) == draft_row_logits.argmax(-1)).float()
+    target_probs = torch.softmax(target_row_logits.float() / temperature, dim=-1)
+    draft_probs = torch.softmax(draft_row_logits.float() / temperature, dim=-1)
+    return torch.minimum(target_probs, draft_probs).sum(-1)
 
 
 @torch.no_grad()
@@ -57,7 +58,7 @@ def eagle_chain_overlaps(draft, target, ex: FeatureExample, k: int, temperature:
     ids = torch.tensor(ex.input_ids, dtype=torch.int64)
     toks = ids[1:R + 1].unsqueeze(0)
     pos = torch.arange(R).unsqueeze(0)
-    p_logits = target_logits(target, ex, slice(first + 1, R))  # predicting x_{first+2} .. x_{R}
+    target_out = target_logits(target, ex, slice(first + 1, R))  # predicting x_{first+2} .. x_{R}
     cache = DynamicCache()
     h = None
     for j in range(1, k + 1):
@@ -67,8 +68,8 @@ def eagle_chain_overlaps(draft, target, ex: FeatureExample, k: int, temperature:
         rows = torch.arange(first + j - 1, R - 1)
         if rows.numel() == 0:
             break
-        q_logits = draft.head(draft.norm(h[0, rows])).float()
-        ov = _overlap(p_logits[rows - first], q_logits, temperature)
+        draft_out = draft.head(draft.norm(h[0, rows])).float()
+        ov = _overlap(target_out[rows - first], draft_out, temperature)
         out[rows - (j - 1) - first, j - 1] = ov
     return out
 
@@ -85,9 +86,9 @@ def token_draft_chain_overlaps(draft, target, ex: FeatureExample, k: int, temper
     if chains <= 0:
         return out
     ids = torch.tensor([ex.input_ids[:R]])
-    q_all = draft(ids).logits[0].float()  # position m predicts x_{m+1}
-    p_logits = target_logits(target, ex, slice(first + 1, R))  # positions first+1 .. R-1
-    ov = _overlap(p_logits, q_all[first + 1:R], temperature)  # position m = first + 1 + i
+    draft_out = draft(ids).logits[0].float()  # position m predicts x_{m+1}
+    target_out = target_logits(target, ex, slice(first + 1, R))  # positions first+1 .. R-1
+    ov = _overlap(target_out, draft_out[first + 1:R], temperature)  # position m = first + 1 + i
     for j in range(1, k + 1):
         # chain n, step j: position m = n + j, i = m - first - 1 = (n - first) + j - 1
         i = torch.arange(j - 1, ov.numel())

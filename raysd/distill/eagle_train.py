@@ -9,7 +9,7 @@ Training-time test (EAGLE-3): step 1 feeds the target's features; step k >= 2 fe
 draft's own hidden state from step k-1 at row t-1, exactly what the drafter feeds at inference. Its
 attention sees step 1's keys up to row t-k+1 (positions whose features were real) and the keys of
 steps 2..k on its own chain (rows t-k+2..t), as a drafter's cache holds them during one proposal.
-Loss per step: forward KL(p || q) (or TV); step k weighs 0.8^(k-1). Optionally EAGLE-1's smooth-L1
+Loss per step: forward KL(target || draft) (or TV); step k weighs 0.8^(k-1). Optionally EAGLE-1's smooth-L1
 between the draft's hidden state at row t and the target's f_{t+1} (both through the final norm).
 """
 
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule, min_across_workers
+from raysd.distill.schedule import Schedule, length_batches, min_across_workers
 from raysd.distill.eagle_data import FeatureExample
 
 
@@ -48,7 +48,7 @@ class EagleTrainConfig:
     threads: int = 0
     max_seconds: float = 0.0  # > 0: fewer steps when `steps` would not fit in this time (distill.schedule)
     # "bfloat16": the forward and backward under torch.autocast (matmuls in bf16, losses and optimizer state in
-    # float32): ~2x the rows per second on a CPU with AVX512-BF16 or a GPU; "none": float32 throughout
+    # float32): more rows per second on a CPU with AVX512-BF16 or a GPU; "none": float32 throughout
     autocast: str = "none"
 
     def __post_init__(self) -> None:
@@ -116,26 +116,26 @@ class EagleLoss(nn.Module):
         B, R, _ = features.shape
         # the teacher in float32 even under autocast: its distribution is the label
         with torch.no_grad(), torch.autocast(features.device.type, enabled=False):
-            p_logits = d.head_logits(target_features.float())  # [B, R, N] the target's logits on the head tokens
-            logp = torch.log_softmax(p_logits, dim=-1)
-            p = logp.exp()
-            top_p = p_logits.argmax(-1)
+            target_logits = d.head_logits(target_features.float())  # [B, R, N] the target's logits on the head tokens
+            target_logprobs = torch.log_softmax(target_logits, dim=-1)
+            target_probs = target_logprobs.exp()
+            target_top1 = target_logits.argmax(-1)
         pos = torch.arange(R, device=features.device).unsqueeze(0).expand(B, R)
         cache = DynamicCache()
         feats = features.float()
         total = features.new_zeros((), dtype=torch.float32)
         metrics = {}
-        wsum = weights.sum().clamp(min=1e-6)
+        h = None  # the draft's hidden states of the last step
         for k in range(1, cfg["ttt_steps"] + 1):
             if k > 1:
                 feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
             mask = ttt_mask(R, k, features.device).expand(B, 1, R, k * R)
             h = d.hidden(feats, tokens, position_ids=pos, past_key_values=cache, attention_mask=mask)
-            logq = torch.log_softmax(d.head_logits(h).float(), dim=-1)
+            draft_logprobs = torch.log_softmax(d.head_logits(h).float(), dim=-1)
             if cfg["loss"] == "fkl":
-                per = (p * (logp - logq)).sum(-1)
+                per = (target_probs * (target_logprobs - draft_logprobs)).sum(-1)
             else:
-                per = 0.5 * (p - logq.exp()).abs().sum(-1)
+                per = 0.5 * (target_probs - draft_logprobs.exp()).abs().sum(-1)
             w = weights.clone()
             if k > 1:
                 w[:, :k - 1] = 0.0  # rows whose chain would start before the sequence
@@ -146,33 +146,17 @@ class EagleLoss(nn.Module):
                 step_loss = step_loss + cfg["feature_weight"] * (fl * w).sum() / kw
             total = total + cfg["step_decay"] ** (k - 1) * step_loss
             with torch.no_grad():
-                agree = ((logq.argmax(-1) == top_p).float() * w).sum() / kw
+                agree = ((draft_logprobs.argmax(-1) == target_top1).float() * w).sum() / kw
                 # 1 - TV on the head: the acceptance rate at temperature 1 (within the head)
-                acc = ((torch.minimum(p, logq.exp()).sum(-1)) * w).sum() / kw
+                acc = ((torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)) * w).sum() / kw
             metrics[f"top1_step{k}"] = agree
             metrics[f"accept_step{k}"] = acc
-        del wsum
         return total, metrics
 
 
 def make_batches(examples: Sequence[FeatureExample], batch_tokens: int, rng: random.Random, max_context: int = 0) -> list[list[int]]:
-    def rows(i):
-        ex = examples[i]
-        return ex.features.shape[0] - _start(ex, max_context)
-
-    order = sorted(range(len(examples)), key=lambda i: (rows(i), rng.random()))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = max(cur_max, rows(i))
-        if cur and n * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, n = [], rows(i)
-        cur.append(i)
-        cur_max = n
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
+    """Batches of example indices (`length_batches`), each example as many rows as `collate` feeds."""
+    return length_batches([ex.features.shape[0] - _start(ex, max_context) for ex in examples], batch_tokens, rng)
 
 
 def train_eagle(draft, examples: Sequence[FeatureExample], cfg: EagleTrainConfig, *, device="cpu",

@@ -1,11 +1,32 @@
-"""The optimizer-step schedule both draft trainers share: linear warm-up, cosine decay to 10% of the
-learning rate, and a run length that can be bounded in seconds as well as in steps."""
+"""What both draft trainers share: batches of examples of similar lengths, and the optimizer-step
+schedule (linear warm-up, cosine decay to 10% of the learning rate, and a run length that can be
+bounded in seconds as well as in steps)."""
 
 from __future__ import annotations
 
 import math
+import random
 import time
-from typing import Callable
+from typing import Callable, Sequence
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Indices into `lengths` in batches of similar lengths, each at most `batch_tokens` padded tokens
+    (its longest length times its size; a longer example is a batch alone), the batches in random
+    order. Sorting by length keeps the padding small; `rng` breaks ties and shuffles."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = max(cur_max, lengths[i])
+        if cur and n * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, n = [], lengths[i]
+        cur.append(i)
+        cur_max = n
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
 
 
 class Schedule:
@@ -14,8 +35,9 @@ class Schedule:
     With `max_seconds` > 0 the run takes `steps`, or fewer when they would not fit in `max_seconds`. The
     length is planned after 2 `probe` steps from the pace of the last `probe` (the first ones carry one-time
     costs: a CUDA context, kernel selection, the allocator's warm-up), then planned again after 4, 8, 16, ...
-    `probe` steps from the pace since the previous plan: on an H200 steps 11-20 still ran at 2.5x the later
-    pace, and a run planned on them alone stopped at 61 of its 150 seconds. The cosine spans the planned run
+    `probe` steps from the pace since the previous plan: on a GPU the steps just after the first ones can still
+    run well below the later pace, and a run planned on them alone would stop long before its time
+    (docs/history/notes.md). The cosine spans the planned run
     (a later plan moves its end a little): a time-bounded run still ends at the low learning rate."""
 
     def __init__(self, steps: int, warmup_steps: int, max_seconds: float = 0.0, probe: int = 10, clock=time.perf_counter,

@@ -1,9 +1,10 @@
 """Distillation training: the draft learns the target's next-token distributions.
 
-Losses (DistillSpec compares both): forward KL, sum_x p(x) log(p(x)/q(x)), and total
-variation, 1/2 sum_x |p(x) - q(x)| (whose complement 1 - TV is the acceptance rate
-the rejection test achieves). The target's distribution p is kept as its top-k
-log-probabilities per position; with an FR-Spec head, q lives on the head tokens only.
+Losses (DistillSpec, Zhou et al. 2024, compares both), between the target's distribution and
+the draft's: forward KL, sum_x target(x) log(target(x) / draft(x)), and total variation,
+1/2 sum_x |target(x) - draft(x)| (whose complement 1 - TV is the acceptance rate the rejection
+test achieves). The target's distribution is kept as its top-k log-probabilities per position;
+with an FR-Spec head, the draft's lives on the head tokens only.
 
 The same loop runs in-process (`backend="local"`) or in Ray Train workers
 (TorchTrainer; CPU workers, or GPUs with use_gpu). Workers split the examples by rank
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raysd.distill.schedule import Schedule, min_across_workers
+from raysd.distill.schedule import Schedule, length_batches, min_across_workers
 from raysd.distill.data import TeacherExample
 from raysd.models.layer_draft import head_logits, head_token_ids
 
@@ -52,30 +53,29 @@ class TrainConfig:
 
 
 def distill_loss(logits: torch.Tensor, head_index: torch.Tensor, teacher_logprobs: torch.Tensor, loss: str) -> torch.Tensor:
-    """Per-position loss between the teacher's distribution p and the draft's q.
+    """Per-position loss between the teacher's (the target's) distribution and the draft's.
 
     Args:
         logits: [N, H] draft logits over its head tokens (H = V for a full head).
         head_index: [N, k] where the teacher's top-k tokens sit in the head; -1 if outside it.
         teacher_logprobs: [N, k] the teacher's log-probabilities of those tokens.
     Returns:
-        [N] forward KL(p || q) or total variation TV(p, q), where p is the teacher's
+        [N] forward KL(teacher || draft) or total variation TV(teacher, draft), the teacher's
         distribution restricted to its top-k tokens that the head scores, renormalised.
         With k = V and a full head this is exactly the target's distribution; with an
-        FR-Spec head the draft learns p conditioned on the head tokens, which is the q
-        that maximises sum_x min(p(x), q(x)) among distributions on the head.
+        FR-Spec head the draft learns the teacher's conditioned on the head tokens, which is
+        the draft distribution on the head that maximises sum_x min(teacher(x), draft(x)).
     """
-    logq_all = torch.log_softmax(logits.float(), dim=-1)
+    draft_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, head_index.clamp(min=0))  # [N, k]
     valid = head_index >= 0
-    logq = logq_all.gather(1, head_index.clamp(min=0))  # [N, k]
-    lp = teacher_logprobs.float().masked_fill(~valid, float("-inf"))
-    lp = lp - torch.logsumexp(lp, dim=1, keepdim=True).clamp(min=-1e4)  # renormalise over the head's top-k
-    p = lp.exp().nan_to_num(0.0) * valid
+    teacher = teacher_logprobs.float().masked_fill(~valid, float("-inf"))
+    teacher = teacher - torch.logsumexp(teacher, dim=1, keepdim=True).clamp(min=-1e4)  # renormalise over the head's top-k
+    teacher_probs = teacher.exp().nan_to_num(0.0) * valid
     if loss == "fkl":
-        return (p * (lp.masked_fill(~valid, 0.0) - logq)).sum(dim=1)
+        return (teacher_probs * (teacher.masked_fill(~valid, 0.0) - draft_logprobs)).sum(dim=1)
     if loss == "tv":
-        q = logq.exp() * valid
-        return 0.5 * ((p - q).abs().sum(dim=1) + (1 - q.sum(dim=1)).clamp(min=0))
+        draft_probs = draft_logprobs.exp() * valid
+        return 0.5 * ((teacher_probs - draft_probs).abs().sum(dim=1) + (1 - draft_probs.sum(dim=1)).clamp(min=0))
     raise ValueError(f"unknown loss {loss!r}")
 
 
@@ -132,24 +132,9 @@ def collate(examples: Sequence[TeacherExample], head_map: torch.Tensor, max_cont
 
 
 def make_batches(examples: Sequence[TeacherExample], batch_tokens: int, rng: random.Random, max_context: int = 0) -> list[list[int]]:
-    """Batches of example indices with similar lengths, at most `batch_tokens` padded tokens each, shuffled."""
-    def length(i):
-        ex = examples[i]
-        return len(ex.input_ids) - (max(0, ex.prompt_len - 1 - max_context) if max_context > 0 else 0)
-
-    order = sorted(range(len(examples)), key=lambda i: (length(i), rng.random()))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = max(cur_max, length(i))
-        if cur and n * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, n = [], length(i)
-        cur.append(i)
-        cur_max = n
-    if cur:
-        batches.append(cur)
-    rng.shuffle(batches)
-    return batches
+    """Batches of example indices (`length_batches`), each example as long as `collate` feeds it."""
+    cut = lambda ex: max(0, ex.prompt_len - 1 - max_context) if max_context > 0 else 0  # noqa: E731
+    return length_batches([len(ex.input_ids) - cut(ex) for ex in examples], batch_tokens, rng)
 
 
 def train_draft(

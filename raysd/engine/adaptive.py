@@ -242,12 +242,12 @@ class KController:
 
     def resting(self) -> bool:
         """Whether this step plans K = 0 without asking the drafter's confidence. The estimate costs
-        host time every step, K = 0 or not (the suffix drafter: 3.7 ms of a 138 ms step at batch 32
-        on two CPU cores, SmolLM2-135M). An estimate that chose K = 0 and cost over REST_ABOVE of a
-        plain step rests the next steps, as many as bring it to REST_ABOVE of the steps it covers
-        (at most MAX_REST): a job where drafting does not pay loses at most ~REST_ABOVE to asking,
-        and the estimate still comes often enough to find rows where it starts to pay, and for its
-        calibration to follow (3 steps apart in the example above)."""
+        host time every step, K = 0 or not (the suffix drafter's lookups: a few percent of a plain
+        step of the embedded SmolLM2 on a CPU). An estimate that chose K = 0 and cost over
+        REST_ABOVE of a plain step rests the next steps, as many as bring it to REST_ABOVE of the
+        steps it covers (at most MAX_REST): a job where drafting does not pay loses at most
+        ~REST_ABOVE to asking, and the estimate still comes often enough to find rows where it
+        starts to pay, and for its calibration to follow."""
         if self._rest <= 0:
             return False
         self._settled = False
@@ -505,8 +505,8 @@ class LearnedStepCosts:
 
     def _update(self, table: dict, key: int, seen: tuple[int, int], seconds: float) -> None:
         """A running mean, but a shape's second timing replaces its first: the first call of a new
-        shape pays one-time work (kernel selection, buffers; a plain step at batch 8 timed 100 ms
-        first and 71-73 ms after), and left in it would make every other width look cheap."""
+        shape pays one-time work (kernel selection, buffers: the first step of a shape is markedly
+        slower than the next ones), and left in it would make every other width look cheap."""
         self.seen[seen] += 1
         table[key] = seconds if self.seen[seen] <= 2 else (1 - self.decay) * table[key] + self.decay * seconds
 
@@ -558,7 +558,7 @@ class LearnedStepCosts:
         widest = below[-1]
         if w > 2 * widest:
             # Not tried yet, and more than double the widest timed width: a step that wide may
-            # cost several plain steps (a CPU at batch 32: width 9 measured 3-4x width 1), so
+            # cost several plain steps (on a CPU at batch 32, a verify of 9 tokens per row does), so
             # exploration widens by at most doubling, each step timing the next bound.
             return math.inf
         if len(below) == 1:

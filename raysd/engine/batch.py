@@ -37,7 +37,7 @@ class Batch:
 
     def __init__(self, spec: SpeculationConfig, feature_draft: bool = False, decode: Callable[[list[int]], str] | None = None):
         assert spec.max_model_len is not None, "a batch needs the resolved max_model_len (Admission.of)"
-        self.spec, self.K, self.max_model_len = spec, spec.num_speculative_tokens, spec.max_model_len
+        self.spec, self.num_speculative_tokens, self.max_model_len = spec, spec.num_speculative_tokens, spec.max_model_len
         self.feature_draft = feature_draft
         self.decode = decode  # token ids -> text (the target's tokenizer), for stop strings
         self.requests: list[Request] = []
@@ -47,7 +47,7 @@ class Batch:
         self.prompt_len, self.generated, self.max_new, self.seeds = i64(0), i64(0), i64(0), i64(0)
         self.stop_ids = np.full((0, 1), _NO_TOKEN, dtype=np.int64)  # [B, S]
         self.finish = i64(0)  # 0 while running, else LENGTH or STOP
-        self.stats = BatchStats(self.K)
+        self.stats = BatchStats(self.num_speculative_tokens)
         # Rows whose requests asked for them: each emitted token's log-probability, and the top tokens'.
         self.logprobs: list[list[float] | None] = []
         self.top_logprobs: list[list[list[tuple[int, float]]] | None] = []
@@ -99,7 +99,7 @@ class Batch:
 
     def room(self) -> np.ndarray:
         """[B] drafts worth verifying: the tokens each row may still emit, minus the bonus."""
-        room = np.clip(self.tokens_left() - 1, 0, self.K)
+        room = np.clip(self.tokens_left() - 1, 0, self.num_speculative_tokens)
         return np.where(self.generated == 0, 0, room) if self.feature_draft else room
 
     def cut_at_stops(self, tokens: np.ndarray, num_accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

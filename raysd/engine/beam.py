@@ -95,18 +95,19 @@ class BeamSearchEngine:
 
     def __init__(self, target: PreTrainedModel, drafter: BeamDrafter | None, config: BeamEngineConfig):
         self.config, self.W = config, config.beam.num_beams
-        self.K = config.num_speculative_tokens if drafter is not None else 0  # no drafter: one level per pass
+        # Levels a tree drafts below each pass's own; no drafter: one level per pass.
+        self.num_speculative_tokens = config.num_speculative_tokens if drafter is not None else 0
         self.drafter = drafter or NoBeamDrafter()
         limits = [max_model_len(target)] + ([self.drafter.max_model_len] if self.drafter.max_model_len else [])
-        spec = SpeculationConfig(num_speculative_tokens=self.K, eos_token_ids=config.eos_token_ids,
-                                 max_model_len=config.max_model_len)
+        spec = SpeculationConfig(num_speculative_tokens=self.num_speculative_tokens,
+                                 eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len)
         self.admission = Admission.of(spec, output_vocab_size(target), limits)
         self.rows = CacheRows(StaticRunner(target, linear_kernels=config.linear_kernels))
         self.prompts: list[_Prompt] = []  # in row order: prompt p holds rows p W .. p W + W - 1
         # One entry per prompt, in SpecDecodeStats' terms: a step is a target pass, a draft a tree
         # node, an accepted draft a level beyond the one each pass computes (so that
         # mean_acceptance_length is the levels advanced per pass).
-        self.stats = BatchStats(self.K)
+        self.stats = BatchStats(self.num_speculative_tokens)
         self.timings = BeamTimings()
 
     def generate(self, requests: Sequence[Request]) -> list[list[GenerationResult]]:
@@ -118,7 +119,7 @@ class BeamSearchEngine:
         for i, request in admitted:
             if (error := beam_request_error(request)) is not None:
                 results[i] = [GenerationResult(request.request_id, list(request.prompt_token_ids), [], "error",
-                                               SpecDecodeStats(self.K), error)]
+                                               SpecDecodeStats(self.num_speculative_tokens), error)]
             else:
                 waiting.append((i, request))
         start = time.perf_counter()
@@ -152,7 +153,7 @@ class BeamSearchEngine:
         t0 = time.perf_counter()
         groups, rows = [p.group for p in self.prompts], [p.rows for p in self.prompts]
         # A tree K deep lets a pass reach K + 1 levels; no deeper than the levels a prompt has left.
-        depths = [min(self.K, g.max_new - g.generated - 1) for g in groups]
+        depths = [min(self.num_speculative_tokens, g.max_new - g.generated - 1) for g in groups]
         tree = self.drafter.propose(groups, rows, depths)
         t1 = time.perf_counter()
         logits = self._verify(tree)  # [R, N + 1, V]

@@ -23,9 +23,10 @@ exactly the draft model's greedy tokens. Inner k = 0 is two levels: the call is 
 
 k is chosen once per propose call, by goodput like the top level's K (`raysd.engine.adaptive`):
 E(alpha_inner, k) draft tokens per draft-model forward of k + 1 tokens, with the draft model's
-measured step costs (`profile_assist_costs`) and the n-gram's acceptance by the draft model
-(sum_x min(q(x), one_hot(x)) = q(drafted token)) pooled over rows. k = 0 when the lookup does
-not pay: the controller chooses between two and three levels. (As for the top level's K, a pool
+measured step costs (`profile_assist_costs`) and the n-gram's acceptance by the draft model (the
+overlap of the draft model's distribution with a one-hot draft: the draft model's probability of
+the drafted token) pooled over rows. k = 0 when the lookup does not pay: the controller chooses
+between two and three levels. (As for the top level's K, a pool
 that has turned pessimistic gathers no more evidence: two levels, once chosen, stay.)
 
 Randomness: the middle step that starts at a row's i-th handed-up token draws from

@@ -181,10 +181,10 @@ class DraftModelDrafter(Drafter):
         logits = self.rows.feed(torch.zeros(B, 0, dtype=torch.int64, device=device), ones * 0, ones, 1)[:, 0]  # [B, V']
         tokens, probs = [], []
         for i in range(K):
-            p = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
+            step_probs = logits_to_probs(self._draft_logits(logits), sampling)  # [B, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             tokens.append(t)
-            probs.append(p)
+            probs.append(step_probs)
             if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
                 logits = self.rows.feed(t[:, None], ones, ones, 1, host_ones)[:, 0]
         num = host_to_device(list(max_drafts), torch.int64, device)
@@ -198,48 +198,48 @@ class DraftModelDrafter(Drafter):
         (`draft_widths`). A row's pending tokens but its last two (plain steps leave more) are fed
         first (CacheRows.catch_up), so the program always starts from a chunk of two."""
         B, device = len(max_drafts), self.rows.device
-        K = self.width(max(max_drafts))
+        k = self.width(max(max_drafts))
         self.rows.catch_up(keep=PENDING)
-        inputs = self.draft_inputs(K, sampling, uniforms)
-        tokens, probs = self.rows.runner.run(*self.program(K, sampling), inputs, PENDING + K - 1, forwards=K)
-        host = (K - 1,) * B
-        self.rows.mark_fed(tokens[:, : K - 1], host_to_device(host, torch.int64, device), host)
+        inputs = self.draft_inputs(k, sampling, uniforms)
+        tokens, probs = self.rows.runner.run(*self.program(k, sampling), inputs, PENDING + k - 1, forwards=k)
+        host = (k - 1,) * B
+        self.rows.mark_fed(tokens[:, : k - 1], host_to_device(host, torch.int64, device), host)
         num = host_to_device(list(max_drafts), torch.int64, device)
-        return Proposal(tokens, num, probs, tuple(int(k) for k in max_drafts), one_hot=sampling.all_greedy)
+        return Proposal(tokens, num, probs, tuple(int(n) for n in max_drafts), one_hot=sampling.all_greedy)
 
     def width(self, k: int) -> int:
         """The drafts a step of at most `k` per row makes: `k` rounded up to a captured width."""
         return min((w for w in self.draft_widths if w >= k), default=k)
 
-    def program(self, K: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
-        """The key and function (`draft_program`) of the program that drafts K per row with these rows'
+    def program(self, k: int, sampling: SamplingTensors) -> tuple[tuple, Callable]:
+        """The key and function (`draft_program`) of the program that drafts k per row with these rows'
         sampling flags (StaticRunner.run)."""
         flags = flags_of(sampling)
-        return ("draft", K, *flags, self.draft_top_m), functools.partial(self.draft_program, K, flags)
+        return ("draft", k, *flags, self.draft_top_m), functools.partial(self.draft_program, k, flags)
 
-    def draft_inputs(self, K: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def draft_inputs(self, k: int, sampling: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The draft program's inputs for the rows' pending tokens (at most PENDING each): pending
         tokens [B, PENDING] and their count [B], draws [B, K], the rows' temperature, top-k, top-p."""
         pending, count = self.rows.pending_inputs(PENDING)
-        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), K)
-        return pending, count, uniforms[:, :K].double(), sampling.temperature, sampling.top_k, sampling.top_p
+        self.reserve_probs(max(pending.shape[0], self.rows.runner.cache.capacity[0]), k)
+        return pending, count, uniforms[:, :k].double(), sampling.temperature, sampling.top_k, sampling.top_p
 
-    def reserve_probs(self, slots: int, K: int) -> None:
-        """Room in the buffer the draft program writes draft_probs into for `slots` rows of K drafts.
+    def reserve_probs(self, slots: int, k: int) -> None:
+        """Room in the buffer the draft program writes draft_probs into for `slots` rows of k drafts.
         Growing it (rare: the first time, or more slots) drops the runner's captured graphs, which
         write into the old one."""
-        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= K:
+        if self._probs is not None and self._probs.shape[0] >= slots and self._probs.shape[1] >= k:
             return
-        K = max(K, 0 if self._probs is None else self._probs.shape[1])
-        self._probs = torch.zeros(slots, K, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
+        k = max(k, 0 if self._probs is None else self._probs.shape[1])
+        self._probs = torch.zeros(slots, k, self.target_vocab_size, dtype=torch.float32, device=self.rows.device)
         graphs = getattr(self.rows.runner, "graphs", None)
         if graphs is not None:
             graphs.graphs.clear()
 
-    def draft_program(self, K: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
+    def draft_program(self, k: int, flags: tuple[bool, ...], attend: int, pending, count, uniforms, temperature, top_k,
                       top_p) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
-        one forward over each row's pending tokens, then K times: the draft's distribution (the rows'
+        """The k drafts of every slot 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors only:
+        one forward over each row's pending tokens, then k times: the draft's distribution (the rows'
         temperature, top-k, top-p: `flags` says which apply), a draw from it, and (but after the
         last) a forward over the draw. A padding row (count 0) feeds nothing. Returns [R, K] drafts and
         [R, K, V] draft_probs (a view of `_probs`, overwritten by the next program)."""
@@ -250,13 +250,13 @@ class DraftModelDrafter(Drafter):
         ones = torch.ones(R, dtype=torch.int64, device=pending.device)
         logits = runner.step_slots(attend, chunk, valid, ones, 1, keep=1)[0][:, 0]  # [R, V']
         tokens = []
-        probs = self._probs[:R, :K]  # [R, K, V]
-        for i in range(K):
-            p = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
-            probs[:, i] = p
+        probs = self._probs[:R, :k]  # [R, K, V]
+        for i in range(k):
+            step_probs = logits_to_probs(self._draft_logits(logits), sampling)  # [R, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [R]
+            probs[:, i] = step_probs
             tokens.append(t)
-            if i + 1 < K:  # the last draft is fed at the next step, with the verified tokens
+            if i + 1 < k:  # the last draft is fed at the next step, with the verified tokens
                 logits = runner.step_slots(attend, t[:, None], live, ones, 1)[0][:, 0]
         return torch.stack(tokens, dim=1), probs
 
@@ -271,11 +271,11 @@ class DraftModelDrafter(Drafter):
         (StaticRunner.forward_tree over the level's nodes, after the row's cache and the
         levels above). `uniforms` is [B, >= shape.num_nodes]: node i's draw is uniforms[:, i].
 
-        A node's rank-0 child is drawn from the draft's distribution q after the node's path
-        (the row's temperature, top-k, top-p), with draft_probs = q, as a chain's draft; its
-        rank-r child (r >= 1) is the draft's r-th most likely token other than that draw, with a
-        one-hot draft_probs. Each child is a draw from its q or a function of its earlier
-        siblings, never of the verifier's draws, so multi-draft speculative sampling
+        A node's rank-0 child is drawn from the draft's distribution after the node's path
+        (the row's temperature, top-k, top-p), with draft_probs that distribution, as a chain's
+        draft; its rank-r child (r >= 1) is the draft's r-th most likely token other than that
+        draw, with a one-hot draft_probs. Each child is a draw from its draft_probs or a function
+        of its earlier siblings, never of the verifier's draws, so multi-draft speculative sampling
         (raysd.core.tree.tree_rejection_sample) stays exact (docs/trees.md). At temperature 0
         the tree is EAGLE-2's top-k tree (Li et al. 2024, arXiv 2406.16858).
 
@@ -297,9 +297,9 @@ class DraftModelDrafter(Drafter):
         above = -1  # the first node of the level above (-1: the root)
         for d, (s, e) in enumerate(levels):
             wide = self._draft_logits(logits.flatten(0, 1)).view(*logits.shape[:2], -1)  # [B, n, V]
-            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            t, level_probs = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
             tokens.append(t)
-            probs.append(q)
+            probs.append(level_probs)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
                 logits = self.rows.feed_tree(t, parents[:, :e], (num - s).clamp(0, e - s), start=s)  # [B, e - s, V']
                 self._fed_depth = d + 1
@@ -320,9 +320,9 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     """Draft nodes start .. end - 1 (one level of `shape`) from the draft's logits [B, n, V] (over
     the target's vocabulary) at the level above, whose first node is `above` (-1: the root, n = 1).
 
-    Each parent's rank-0 child is drawn from q = the draft's distribution (the rows' sampling
-    parameters, node i's draw uniforms[:, i]) with draft_probs = q; its rank-r child is the r-th
-    most likely other token, with a one-hot draft_probs. Returns [B, m] tokens and [B, m, V]
+    Each parent's rank-0 child is drawn from the draft's distribution (the rows' sampling
+    parameters, node i's draw uniforms[:, i]) with draft_probs that distribution; its rank-r
+    child is the r-th most likely other token, with a one-hot draft_probs. Returns [B, m] tokens and [B, m, V]
     draft_probs for the level's m nodes."""
     B, n = wide.shape[:2]
     level = range(start, end)
@@ -332,8 +332,8 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     for i, u, r in zip(level, up, rank):
         if r == 0:
             first[u] = i
-    q = logits_to_probs(wide, sampling)  # [B, n, V]
-    sampled = sample_from_probs(q.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
+    parent_probs = logits_to_probs(wide, sampling)  # [B, n, V] the draft's distribution after each parent
+    sampled = sample_from_probs(parent_probs.flatten(0, 1), uniforms[:, first].flatten(), one_hot=sampling.all_greedy).view(B, n)  # [B, n]
     candidates = sampled[..., None]  # [B, n, R]: the sample, then the best other tokens
     R = max(rank) + 1
     if R > 1:
@@ -343,7 +343,7 @@ def draft_tree_level(shape: TreeShape, start: int, end: int, above: int, wide: t
     rank_t = torch.tensor(rank, dtype=torch.int64, device=wide.device)  # [m]
     tokens = candidates[:, up_t, rank_t]  # [B, m]
     one_hot = torch.zeros(B, len(up), wide.shape[-1], device=wide.device).scatter_(-1, tokens[..., None], 1.0)
-    return tokens, torch.where((rank_t == 0)[None, :, None], q[:, up_t], one_hot)  # [B, m], [B, m, V]
+    return tokens, torch.where((rank_t == 0)[None, :, None], parent_probs[:, up_t], one_hot)  # [B, m], [B, m, V]
 
 
 MAX_NGRAM_BRANCHES = 8  # earlier occurrences whose continuations a tree may hold
@@ -509,10 +509,10 @@ class FeatureDrafter(Drafter):
         # 2. Draft: each token drawn from the row's own distribution; its own hidden state is the next feature.
         drafts, probs = [], []
         for i in range(K):
-            p = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
-            t = sample_from_probs(p, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
+            step_probs = logits_to_probs(_widen(logits, self.vocab_size), sampling)  # [B, V]
+            t = sample_from_probs(step_probs, uniforms[:, i], one_hot=sampling.all_greedy)  # [B]
             drafts.append(t)
-            probs.append(p)
+            probs.append(step_probs)
             if i + 1 < K:
                 self.model.features = hidden
                 logits = self.runner.forward(t[:, None], ones[:, None].bool(), ones, 1)[:, 0]
@@ -527,7 +527,7 @@ class FeatureDrafter(Drafter):
                      uniforms: torch.Tensor) -> Proposal:
         """EAGLE-2's tree (Li et al. 2024, arXiv 2406.16858, section 4) with this draft: the first
         `shape.nodes_within(max_depths[b])` nodes of `shape` per row, drafted level by level as
-        DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from q,
+        DraftModelDrafter.propose_tree does (`draft_tree_level`: rank-0 children drawn from the draft,
         rank-r children the r-th best other token), one forward per level but the deepest
         (StaticRunner.forward_tree). Each node's feature is the draft's own hidden state at its
         parent, the root's children's the hidden state after catching up on the target's
@@ -548,9 +548,9 @@ class FeatureDrafter(Drafter):
         above = -1  # the first node of the level above (-1: the root)
         for d, (s, e) in enumerate(levels):
             wide = _widen(logits.flatten(0, 1), self.vocab_size).view(B, logits.shape[1], -1)  # [B, n, V]
-            t, q = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
+            t, level_probs = draft_tree_level(shape, s, e, above, wide, sampling, uniforms)  # [B, e - s], [B, e - s, V]
             tokens.append(t)
-            probs.append(q)
+            probs.append(level_probs)
             if d + 1 < len(levels):  # the deepest level is verified, never fed
                 up = torch.tensor([shape.parents[i] - above for i in range(s, e)], dtype=torch.int64, device=self.device)
                 self.model.features = hidden[:, up]  # [B, e - s, H]: each node reads its parent's hidden state

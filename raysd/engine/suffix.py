@@ -16,10 +16,9 @@ Not taken: the suffix tree. Occurrences are found on flat token arrays instead (
 per token holds the occurrences of the row's last token, and a longer suffix keeps those whose
 preceding tokens match too; no memory per tree node, cheap insertion and eviction. To bound the work
 per row, only the most recent max_occurrences occurrences of its last token count (all of them but for
-the most frequent tokens of a large index), where a suffix tree counts every one.
-Measured (test_suffix.py::test_proposal_cost; 2-core dev CPU, loaded): 32 rows against 200 finished
-sequences of 300 tokens, 0.1-0.3 ms per row to draft, plus 0.2-0.5 ms per row for the one-hot
-[32, 8, 32000] draft_probs that NgramDrafter builds too; against a 2M-token Zipf index, 0.5-1 ms per row.
+the most frequent tokens of a large index), where a suffix tree counts every one. What a proposal
+costs per row, against a few hundred finished sequences and against a large index, is printed by
+tests/engine/test_suffix.py::test_proposal_cost.
 
 Drafts are deterministic: draft_probs is one-hot and the rejection test keeps outputs exact. Which
 tokens a seed gives (not their law) can depend on which rows finished before, as those change drafts.

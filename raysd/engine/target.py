@@ -198,33 +198,33 @@ class TargetSide:
         test and the verdict's parts packed for one read-back, which this returns on the host. The
         drafts are padded to a captured width (`verify_widths`) with drafts no row counts."""
         ids, host = proposal.draft_token_ids, proposal.num_draft_host
-        K = self.width(ids.shape[1])
-        inputs, flags = self.verify_inputs(proposal, K)
+        k = self.width(ids.shape[1])
+        inputs, flags = self.verify_inputs(proposal, k)
         P = inputs[0].shape[1]
-        packed, = self.rows.runner.run(("verify", P, K, *flags), self.program_fn(K, flags), inputs, P + K)
+        packed, = self.rows.runner.run(("verify", P, k, *flags), self.program_fn(k, flags), inputs, P + k)
         self.rows.mark_fed(inputs[2], proposal.num_draft_tokens, host)
-        return unpack(packed.cpu().numpy(), self._layouts[(P, K, *flags)])
+        return unpack(packed.cpu().numpy(), self._layouts[(P, k, *flags)])
 
-    def program_fn(self, K: int, flags: tuple) -> Callable:
-        """The verify program of K drafts per row with these flags (`verify_inputs`), for StaticRunner.run."""
-        return functools.partial(self.verify_program, K, flags)
+    def program_fn(self, k: int, flags: tuple) -> Callable:
+        """The verify program of k drafts per row with these flags (`verify_inputs`), for StaticRunner.run."""
+        return functools.partial(self.verify_program, k, flags)
 
     def width(self, k: int) -> int:
         """Drafts per row a verify of `k` feeds: `k` rounded up to a captured width (`verify_widths`)."""
         return min((w for w in self.verify_widths if w >= k), default=k)
 
-    def verify_inputs(self, proposal: Proposal, K: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    def verify_inputs(self, proposal: Proposal, k: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """The verify program's inputs and static flags: the rows' pending tokens [B, P] and their
         count [B], drafts [B, K] and their count [B], draft_probs [B, K, V] (none for one-hot drafts of
         an all-greedy batch: the test reads the drafts alone), the rows' (seed, tokens generated) [B, 2]
         for their draws (none where nothing is drawn), temperature, top-k and top-p [B]."""
         ids, num, probs = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs
-        if K > ids.shape[1]:  # drafts no row counts (num is unchanged)
-            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], K - ids.shape[1])], dim=1)
-            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], K - probs.shape[1], probs.shape[2])], dim=1)
+        if k > ids.shape[1]:  # drafts no row counts (num is unchanged)
+            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], k - ids.shape[1])], dim=1)
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], k - probs.shape[1], probs.shape[2])], dim=1)
         sampling, acceptance = self._sampling, self.spec.acceptance
         greedy = sampling.all_greedy and acceptance.exact  # argmaxes only: no draw, and a one-hot draft needs no probs
-        one_hot = greedy and (proposal.one_hot or K == 0)
+        one_hot = greedy and (proposal.one_hot or k == 0)
         pending, count = self.rows.pending_inputs()
         inputs = [pending, count, ids, num] + ([] if one_hot else [probs])
         if not greedy:
@@ -232,7 +232,7 @@ class TargetSide:
         inputs += [sampling.temperature, sampling.top_k, sampling.top_p]
         return tuple(inputs), (*flags_of(sampling), one_hot, greedy, str(acceptance))
 
-    def verify_program(self, K: int, flags: tuple, attend: int, pending, count, ids, num, *rest) -> tuple[torch.Tensor]:
+    def verify_program(self, k: int, flags: tuple, attend: int, pending, count, ids, num, *rest) -> tuple[torch.Tensor]:
         """A chain's verify over the slots 0 .. R - 1 (a program: raysd.models.cuda_graphs), device tensors
         only: the target forward over each row's pending tokens and its num[b] drafts (of `ids` [R, K]),
         the rejection test (`judge_chain`) and the verdict's parts (`verdict_parts`), packed into one
@@ -243,12 +243,12 @@ class TargetSide:
         keys = None if greedy else rest.pop(0)
         sampling = SamplingTensors(*rest, *sampling_flags)
         chunk, valid = right_align(pending, count, ids, num)  # [R, P + K]
-        logits, = self.rows.runner.step_slots(attend, chunk, valid, num + 1, K + 1)  # [R, K + 1, V]
+        logits, = self.rows.runner.step_slots(attend, chunk, valid, num + 1, k + 1)  # [R, K + 1, V]
         Kc = self.spec.num_speculative_tokens
         uniforms = None if keys is None else counter_uniforms(keys[:, 0], keys[:, 1], 2 * Kc + 1)  # [R, 2Kc + 1]
         out, overlap = judge_chain(logits, ids, num, probs, uniforms, sampling, self.spec.acceptance)
         packed, layout = pack(verdict_parts(out, overlap, out.num_tested, num))
-        self._layouts[(pending.shape[1], K, *flags)] = layout
+        self._layouts[(pending.shape[1], k, *flags)] = layout
         return (packed,)
 
     def _verify_tree(self, proposal: Proposal, shape: TreeShape) -> tuple[RejectionOutput, torch.Tensor, torch.Tensor,
@@ -390,9 +390,9 @@ def path_overlaps(shape: TreeShape, tree: RejectionOutput, num_nodes: torch.Tens
     d = torch.arange(D, device=device)[None, :]
     tested = (d <= tree.num_accepted[:, None]) & (child >= 0) & (child < num_nodes[:, None])  # [B, D]
     V = target_probs.shape[-1]
-    p = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V]
-    q = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V]
-    overlap = torch.where(tested, torch.minimum(p, q).sum(dim=-1), 0.0)  # [B, D]
+    target_at = target_probs.gather(1, (at + 1)[..., None].expand(B, D, V))  # [B, D, V] after the path's node
+    draft_at = draft_probs.gather(1, child.clamp(min=0)[..., None].expand(B, D, V))  # [B, D, V] its rank-0 child's law
+    overlap = torch.where(tested, torch.minimum(target_at, draft_at).sum(dim=-1), 0.0)  # [B, D]
     return overlap, tested.sum(dim=1)
 
 

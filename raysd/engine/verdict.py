@@ -144,6 +144,10 @@ class StepTimings:
         self.bytes_read += counts.bytes_read
 
 
+# The fields a LoopStats adds from each call's StepTimings under the same name.
+_CALL_FIELDS = ("steps", "drafted_steps", "borrowed_steps", "graph_replays", "eager_forwards", "graph_captures", "draft_s")
+
+
 @dataclass
 class LoopStats:
     """What a replica's loop measured, summed: the one record that travels from each call's
@@ -184,6 +188,13 @@ class LoopStats:
             else:
                 setattr(self, f.name, mine + theirs)
         return self
+
+    def add_call(self, timings: StepTimings, colocated: bool) -> None:
+        """One call's StepTimings: its steps and forwards, and its seconds split between the sides (a
+        colocated call's wall holds its drafting too, which `verify_s` leaves out)."""
+        for name in _CALL_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(timings, name))
+        self.verify_s += timings.wall_s - (timings.draft_s if colocated else 0.0)
 
     def since(self, earlier: LoopStats) -> LoopStats:
         """What was measured after `earlier` (a copy of this record, taken then); the times kept."""

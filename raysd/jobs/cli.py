@@ -18,6 +18,7 @@ from raysd.jobs.config import (
     REPLICA_SHAPES,
     GenerateConfig,
     JobError,
+    one_line,
 )
 
 
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - a failed job is one line; rows written so far are kept
         log = _write_trace(exc, native_log)
-        print(f"raysd generate: failed: {_one_line(exc)} (rows written so far are kept; re-run to resume; "
+        print(f"raysd generate: failed: {failure_line(exc)} (rows written so far are kept; re-run to resume; "
               f"the full trace and Ray's messages: {log})", file=sys.stderr)
         return 1
     if native_log and os.path.exists(native_log):  # a job that ran: the lines are in Ray's own driver log too
@@ -235,10 +236,9 @@ def _write_trace(exc: BaseException, native_log: str | None) -> str:
     return native_log
 
 
-def _one_line(exc: BaseException) -> str:
-    """The innermost cause (a RayTaskError carries the exception raised in the actor as `cause`),
-    its type and first line: raysd's own errors say what failed there, where Ray and Ray Data
-    append lines of advice to a message."""
+def failure_line(exc: BaseException) -> str:
+    """A failed job in one line: its innermost cause (a RayTaskError carries the exception raised in
+    the actor as `cause`), whose type and first line say what failed there (`one_line`)."""
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
@@ -248,5 +248,4 @@ def _one_line(exc: BaseException) -> str:
         if not isinstance(cause, BaseException):
             break
         exc = cause
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return one_line(exc)

@@ -9,7 +9,7 @@ from raysd.actors.liveness import PLACEMENT_TIMEOUT_S
 from raysd.actors.settings import PLACEMENT_STRATEGIES, REPLICA_SHAPES, replica_shape  # the first two: flag choices
 from raysd.core.params import LOGPROBS_MODES, MAX_TOP_LOGPROBS  # what --logprobs-mode and --top-logprobs take
 from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
-from raysd.jobs.schema import MAX_NUM_SAMPLES
+from raysd.jobs.schema import MAX_NUM_SAMPLES, is_int
 from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
     AUTO_DTYPE,
     DEFAULT_MODEL,
@@ -22,16 +22,15 @@ from raysd.models.names import (  # MODEL_FREE: --draft values naming no model
 
 DEFAULT_TARGET = DEFAULT_MODEL  # the embedded SmolLM2-135M-Instruct (GGUF, run in fp32)
 # The default drafter: one constant, changed here only. Suffix decoding learns the job's own
-# templates at no model cost; on the embedded model it beat both n-gram lookup and plain decoding
-# on a templated dataset (1.87x plain at batch 1, 1.21x at 8, 1.02x at 32) and is about even on
-# Spec-Bench (docs/performance.md).
+# templates at no model cost; on the embedded model it beats both n-gram lookup and plain decoding
+# on a templated dataset and is about even on Spec-Bench (docs/performance.md).
 DEFAULT_DRAFT = "suffix"
 AUTO = "auto"
 AUTO_MAX_K = 8  # the largest K the adaptive controller may choose
 # K when --num-speculative-tokens is not given: chosen each step, so a drafter that does not pay
-# (the n-gram lookup on this CPU) is switched off rather than slowing the job (docs/history/benchmarks.md,
-# Benchmark 7). With --tree-budget P the same: each step drafts the chain or tree (of at most P
-# nodes) of best expected goodput, so a tree is drafted only where it pays (docs/trees.md).
+# (on a CPU, often the n-gram lookup) is switched off rather than slowing the job. With
+# --tree-budget P the same: each step drafts the chain or tree (of at most P nodes) of best
+# expected goodput, so a tree is drafted only where it pays (docs/trees.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = AUTO
 DEFAULT_MAX_NEW_TOKENS = 64
 # Beam search (--beam-width): HF's early_stopping values as the flag takes them, K under -k auto (beam
@@ -43,12 +42,15 @@ BEAM_LOOKUP_BUDGET = 8
 MODEL_FREE_DRAFT_CPUS = 0.01  # an n-gram (or no) drafter's actor: Python lookups, no model, no torch threads
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class JobError(Exception):
     """A job that cannot run as asked. The message is one line naming the problem."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception in one line for a JobError or a failed row: its type and its message's first line
+    (Ray and Ray Data append lines of advice to a message; raysd's own first line says what failed)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,8 @@ class GenerateConfig:
     # The model actors' small forwards (decode, verify, a draft model's proposing) replayed as CUDA
     # graphs captured per shape (raysd.models.cuda_graphs): needs GPUs, Llama-family models.
     cuda_graphs: bool = False
-    # Those forwards through torch.compile, the graphs capturing Inductor's fused kernels (an 8B step
-    # 1.3x faster on an H200; a compile per captured shape family at the start).
+    # Those forwards through torch.compile, the graphs capturing Inductor's fused kernels (a faster
+    # step on a large model, for a compile per captured shape family at the start: docs/performance.md).
     compile: bool = False
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
@@ -147,7 +149,7 @@ class GenerateConfig:
         for flag, dtype in (("--target-dtype", self.target_dtype), ("--draft-dtype", self.draft_dtype)):
             need(dtype in DTYPE_CHOICES, f"{flag} must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         k = self.num_speculative_tokens
-        need(k == AUTO or (isinstance(k, int) and not isinstance(k, bool)), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
+        need(k == AUTO or is_int(k), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
         P = self.tree_budget
         need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft, ngram or suffix), not none")
         object.__setattr__(self, "speculation", self._speculation())
@@ -162,13 +164,13 @@ class GenerateConfig:
         need(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"--top-k must be >= 0 (0 disables), got {self.top_k}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
-        need(_is_int(self.num_samples) and 1 <= self.num_samples <= MAX_NUM_SAMPLES,
+        need(is_int(self.num_samples) and 1 <= self.num_samples <= MAX_NUM_SAMPLES,
              f"--num-samples must be an integer in 1..{MAX_NUM_SAMPLES}, got {self.num_samples!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         bad = [x for x in stop if not isinstance(x, str) or not x]
         need(not bad, f"--stop must be a non-empty string, got {bad[0]!r}" if bad else "")
-        need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+        need(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
              f"--top-logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
         if self.top_logprobs:  # the top N come with the emitted token's own, as in SamplingParams
             object.__setattr__(self, "logprobs", True)
@@ -179,7 +181,7 @@ class GenerateConfig:
         need(not (self.quiet and self.verbose), "--quiet and --verbose exclude each other")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.replicas >= 1, f"--replicas must be >= 1, got {self.replicas}")
-        need(_is_int(self.target_tensor_parallel) and self.target_tensor_parallel >= 1,
+        need(is_int(self.target_tensor_parallel) and self.target_tensor_parallel >= 1,
              f"--target-tensor-parallel must be an integer >= 1, got {self.target_tensor_parallel!r}")
         need(self.num_gpus_per_actor >= 0, f"--num-gpus-per-actor must be >= 0, got {self.num_gpus_per_actor}")
         need(
@@ -210,8 +212,8 @@ class GenerateConfig:
     def _check_beams(self, need) -> None:
         """--beam-width and what goes with it: greedy settings only, one line per conflict."""
         W, N = self.beam_width, self.num_return_sequences
-        need(_is_int(W) and (W == 0 or W >= 2), f"--beam-width must be an integer >= 2 (0: off), got {W!r}")
-        need(_is_int(N) and 1 <= N <= max(W, 1),
+        need(is_int(W) and (W == 0 or W >= 2), f"--beam-width must be an integer >= 2 (0: off), got {W!r}")
+        need(is_int(N) and 1 <= N <= max(W, 1),
              f"--num-return-sequences must be in 1..--beam-width ({W})" if W else "--num-return-sequences needs --beam-width")
         need(self.early_stopping in EARLY_STOPPING_CHOICES,
              f"--early-stopping must be one of {', '.join(EARLY_STOPPING_CHOICES)}, got {self.early_stopping!r}")
@@ -310,10 +312,10 @@ class GenerateConfig:
         (`local_cores` known) without GPUs, the model actors share the machine's cores: each
         replica's target and draft model get an equal share, the target all of it with a
         model-free drafter. torch runs as many threads as its actor has CPUs (Ray sets
-        OMP_NUM_THREADS), and on this 2-core CPU a target with both cores decodes 1.8x faster
-        than with one (docs/history/benchmarks.md, Benchmark 6); SmolLM2 through a job, 1.3x.
-        No core is kept for the replica's own process: it sleeps through each step (SpecCoordinator's
-        _ReadPacer). Elsewhere (GPUs, or a cluster) 1."""
+        OMP_NUM_THREADS), and a target decodes faster on all the cores than on one
+        (docs/history/benchmarks.md, Benchmark 6). No core is kept for the replica's own process:
+        it sleeps through each step (raysd.actors.transport's _ReadPacer). Elsewhere (GPUs, or a
+        cluster) 1."""
         if self.num_cpus_per_actor is not None:
             return self
         cpus = 1.0

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.utils import glob_translate
 
-from raysd.jobs.config import JobError
+from raysd.jobs.config import JobError, one_line
 from raysd.jobs.schema import TOTALS_COLUMNS, row_totals
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -57,11 +57,6 @@ def _url_to_fs(url: str):
         extra = PROTOCOL_EXTRAS.get(url.split("://", 1)[0].lower()) if isinstance(exc, ImportError) and "://" in url else None
         hint = f" (pip install 'raysd[{extra}]')" if extra else ""
         raise JobError(f"cannot open {url!r}: {str(exc).splitlines()[0]}{hint}") from None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 # Ray Data's read (and parse) tasks ask for no CPU: the model actors' placement groups may hold
@@ -122,7 +117,7 @@ class InputSource:
         try:
             return [_stamp(self.fs, path) for path in self.files]
         except OSError as exc:
-            raise JobError(f"cannot read input {self.named or self.files[0]!r}: {_one_line(exc)}") from None
+            raise JobError(f"cannot read input {self.named or self.files[0]!r}: {one_line(exc)}") from None
 
     def dataset(self):
         """A lazy Ray Data dataset of the input's rows, in input order (with preserve_order)."""
@@ -149,7 +144,7 @@ class ParquetSource(InputSource):
             with fs.open(files[0], "rb") as f:
                 self.schema = pq.read_schema(f)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is one line
-            raise JobError(f"cannot read Parquet file {files[0]!r}: {_one_line(exc)}") from None
+            raise JobError(f"cannot read Parquet file {files[0]!r}: {one_line(exc)}") from None
         self.num_rows = None
         if len(files) <= 64:  # footers only; skipped for many (remote) files
             total, schemas = 0, []
@@ -158,14 +153,14 @@ class ParquetSource(InputSource):
                     with fs.open(path, "rb") as f:
                         meta = pq.ParquetFile(f).metadata
                 except Exception as exc:  # noqa: BLE001
-                    raise JobError(f"cannot read Parquet file {path!r}: {_one_line(exc)}") from None
+                    raise JobError(f"cannot read Parquet file {path!r}: {one_line(exc)}") from None
                 total += meta.num_rows
                 schemas.append(meta.schema.to_arrow_schema())
             self.num_rows = total
             try:  # a column all-null in one file and typed in another takes the type
                 self.schema = pa.unify_schemas(schemas, promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                raise JobError(f"input Parquet files disagree on their columns: {_one_line(exc)}") from None
+                raise JobError(f"input Parquet files disagree on their columns: {one_line(exc)}") from None
 
     def batches(self, batch_size: int) -> Iterator[list[dict]]:
         for path in self.files:
@@ -197,7 +192,7 @@ _MAX_FOOTER_READERS = 32  # Ray Data's default pool
 def _footer_readers(num_files: int):
     """Ray Data's Parquet reader lists its files through a pool of FooterReader actors, 32 by
     default whatever the input: 32 Python processes started (and each importing Ray Data) per job,
-    ~1 s of CPU apiece, for an input of one or two files. The pool is sized to the input here, one
+    a second of CPU or so apiece, for an input of one or two files. The pool is sized to the input here, one
     actor per batch of footers, through the only knob Ray Data has for it (an environment
     variable, read when `read_parquet` builds its file indexer on the driver), set for that call
     alone. A value the user set is left as it is."""
@@ -495,7 +490,7 @@ def open_input(url: str, split: str | None = None) -> InputSource:
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - credentials, network, permissions: one line
-        raise JobError(f"cannot read input {url!r}: {_one_line(exc)}") from None
+        raise JobError(f"cannot read input {url!r}: {one_line(exc)}") from None
     if "://" not in url and not url.startswith(("/", ".", "~")) and url.count("/") <= 1:
         return _load_cached_dataset(url, split)
     raise JobError(f"input {url!r} does not exist")
@@ -507,7 +502,7 @@ def _load_from_disk(path: str, split: str | None, name: str) -> DatasetsSource:
     try:
         dataset = load_from_disk(path)
     except Exception as exc:  # noqa: BLE001
-        raise JobError(f"cannot load dataset {name!r}: {_one_line(exc)}") from None
+        raise JobError(f"cannot load dataset {name!r}: {one_line(exc)}") from None
     return DatasetsSource(_pick_split(dataset, split, name), name, named=path)
 
 
@@ -524,7 +519,7 @@ def _load_cached_dataset(name: str, split: str | None) -> DatasetsSource:
     except Exception as exc:  # noqa: BLE001
         raise JobError(
             f"input {name!r} is not a file, directory or URL, nor a `datasets` dataset in the local cache "
-            f"(raysd never downloads): {_one_line(exc)}"
+            f"(raysd never downloads): {one_line(exc)}"
         ) from None
     return DatasetsSource(_pick_split(dataset, None, name), name)
 
@@ -685,7 +680,7 @@ class OutputStore:
                 raise ValueError("not a JSON object")
             return job
         except (ValueError, UnicodeDecodeError) as exc:
-            raise JobError(f"output {self.url!r} has an unreadable {JOB_FILE} ({_one_line(exc)}); "
+            raise JobError(f"output {self.url!r} has an unreadable {JOB_FILE} ({one_line(exc)}); "
                            "--overwrite starts over") from None
 
     # -- checks (read only; `raysd.jobs.runner.check_job` runs them before Ray or a model starts)
@@ -712,7 +707,7 @@ class OutputStore:
         except JobError:
             raise
         except Exception as exc:  # noqa: BLE001 - permissions, network: one line
-            raise JobError(f"cannot check output {self.url!r}: {_one_line(exc)}") from None
+            raise JobError(f"cannot check output {self.url!r}: {one_line(exc)}") from None
 
     def _canonical(self, path: str) -> str:
         return os.path.realpath(path) if self.local else posixpath.normpath("/" + path.lstrip("/"))
@@ -793,7 +788,7 @@ class OutputStore:
         except JobError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise JobError(f"cannot write output {self.url!r}: {_one_line(exc)}") from None
+            raise JobError(f"cannot write output {self.url!r}: {one_line(exc)}") from None
 
     def remove_own_files(self) -> None:
         """Delete the parts, `_summary.json`, `_tmp/` and, last (so that an interrupted deletion is

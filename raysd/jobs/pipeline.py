@@ -59,7 +59,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 def driver_node_selector() -> dict[str, str]:
     """A label selector for the driver's node. What must live as long as the job and cannot be
     rebuilt elsewhere goes there: losing the driver's node ends the job anyway, so such an actor
-    adds no way for the job to die (a worker node's loss must not end a job, issue 22)."""
+    adds no way for the job to die (a worker node's loss must not end a job)."""
     return {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
 
 
@@ -758,11 +758,10 @@ def batch_blocks(ds, batch_size: int):
     generation task each, spread over the replicas, whatever the input's files and blocks are.
 
     `strict=True`: Ray's default (best effort) leaves one short block per input block (an input
-    block of 35 rows becomes 8, 8, 8, 8 and 3; a 64-prompt job's generation stage got blocks of
-    3 and 2 rows among its 8s), so a replica's CONCURRENT_BLOCKS_PER_REPLICA calls at times held
-    too few rows to fill its batch: occupancy 0.89 where the engine had 0.93, 4% more steps for
-    the same tokens (docs/history/benchmarks.md, Benchmark 6). Strict blocks combine rows across input
-    blocks, in order."""
+    block of 35 rows becomes 8, 8, 8, 8 and 3), so a replica's CONCURRENT_BLOCKS_PER_REPLICA calls
+    would at times hold too few rows to fill its batch, and take more steps for the same tokens
+    (docs/history/benchmarks.md, Benchmark 6). Strict blocks combine rows across input blocks, in
+    order."""
     ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
     _repartition_needs_no_cpu(ds)
     return ds
@@ -774,8 +773,8 @@ def _repartition_needs_no_cpu(ds) -> None:
     Ray Data gives a map task 1 CPU unless told otherwise, and `Dataset.repartition` takes no
     `ray_remote_args`. When the model actors' placement groups hold every CPU of the cluster (2
     replicas of 1+1 CPUs on 4 CPUs), a repartition task that comes after they were placed waits
-    forever, and so do the replicas that wait for its blocks: a resumed run on a two-node cluster
-    hung so (the fault soak, issue 22). The logical operator's `ray_remote_args` are read when the
+    forever, and so do the replicas that wait for its blocks (a resumed run on a two-node cluster,
+    as the fault soak runs it). The logical operator's `ray_remote_args` are read when the
     plan is executed; set num_cpus=0 there (Ray 2.60's `StreamingRepartition`)."""
     op = ds._logical_plan.dag
     args = getattr(op, "ray_remote_args", None)

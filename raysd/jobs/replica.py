@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.verdict import LoopStats
-from raysd.jobs.config import GenerateConfig
+from raysd.jobs.config import GenerateConfig, one_line
 from raysd.jobs.metrics import ReplicaMetrics
-from raysd.jobs.schema import num_samples_of
+from raysd.jobs.schema import is_int, num_samples_of
 from raysd.models.names import NGRAM, NO_DRAFT, SUFFIX
 
 if TYPE_CHECKING:  # a replica's process imports no torch (tests/jobs/test_light_imports.py)
@@ -48,10 +48,6 @@ def sample_seed(row_seed_: int, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _MAX_SEED
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -61,8 +57,7 @@ def prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] 
     try:
         return _prompt_token_ids(prompt, tokenizer, chat_template)
     except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate ("\ud800" in JSON) the tokenizer cannot encode
-        text = str(exc).strip().splitlines()
-        return None, f"prompt cannot be tokenized: {type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+        return None, f"prompt cannot be tokenized: {one_line(exc)}"
 
 
 def _prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int] | None, str | None]:
@@ -79,7 +74,7 @@ def _prompt_token_ids(prompt, tokenizer, chat_template: bool) -> tuple[list[int]
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             return None, "empty prompt"
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [int(t) for t in prompt], None
         if all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
             if tokenizer is None:
@@ -119,7 +114,7 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
     seed = row.get("seed")
     if seed is None:
         seed = row_seed(cfg.seed, row["id"])
-    elif not _is_int(seed) or not 0 <= seed <= _MAX_SEED:
+    elif not is_int(seed) or not 0 <= seed <= _MAX_SEED:
         return None, 0, f"seed must be an integer in [0, 2**63), got {seed!r}"
 
     def value(name):
@@ -127,8 +122,8 @@ def row_params(row: dict, cfg: GenerateConfig) -> tuple[SamplingParams | None, i
         return getattr(cfg, name) if v is None else v
 
     max_new, temperature, top_p, top_k = value("max_new_tokens"), value("temperature"), value("top_p"), value("top_k")
-    for name, v, ok, kind in (("max_new_tokens", max_new, _is_int, "an integer"), ("temperature", temperature, _is_number, "a number"),
-                              ("top_p", top_p, _is_number, "a number"), ("top_k", top_k, _is_int, "an integer")):
+    for name, v, ok, kind in (("max_new_tokens", max_new, is_int, "an integer"), ("temperature", temperature, _is_number, "a number"),
+                              ("top_p", top_p, _is_number, "a number"), ("top_k", top_k, is_int, "an integer")):
         if not ok(v):
             return None, seed, f"{name} must be {kind}, got {v!r}"
     stop, error = _row_stop(row.get("stop"), cfg.stop)
@@ -345,6 +340,12 @@ class _LiveCounts:
         return {**counts, "first_row_at": self._first}
 
 
+def _samples_to_do(row: dict, n: int) -> list[int]:
+    """The sample indices 0..n-1 of a row that are not in the output yet (`done_samples`: a resumed job)."""
+    done = set(row.get("done_samples") or ())
+    return [j for j in range(n) if j not in done]
+
+
 class GenerationReplica:
     """Owns one SpecCoordinator (its draft and target actors) for the life of the job.
 
@@ -361,7 +362,7 @@ class GenerationReplica:
         started = time.perf_counter()
         cfg = with_eos_ids(cfg)  # a job's driver read them already
         self.cfg = cfg
-        self.K = cfg.effective_num_speculative_tokens
+        self.num_speculative_tokens = cfg.effective_num_speculative_tokens
         if stop_strings is None:
             stop_strings = bool(cfg.stop)
         parts = replica_parts(cfg, stop_strings)
@@ -473,17 +474,14 @@ class GenerationReplica:
             if error is None:
                 params, seed, error = row_params(row, cfg)
             kind = "params"  # what an error row is (raysd.jobs.metrics.ERROR_KINDS)
-            samples = [j for j in range(n) if j not in set(row.get("done_samples") or ())]
+            samples = _samples_to_do(row, n)
             ids = None
             if error is None and samples:
-                t = time.perf_counter()
-                with self._tokenizer_lock:
-                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
-                tokenize_s += time.perf_counter() - t
+                ids, error, seconds = self._tokenize(row)
+                tokenize_s += seconds
                 kind = "prompt"
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, sample_seed(seed, j), 0.0, j)
-                              for j in samples]
+                outputs[i] = [self._error_row(ids, error, sample_seed(seed, j), j) for j in samples]
                 for out in outputs[i]:
                     self.metrics.observe_row(out, kind)
                 self.live.add_errors(len(samples))
@@ -521,15 +519,13 @@ class GenerationReplica:
         tokenize_s = 0.0
         for i, row in enumerate(rows):
             params, seed, error = row_params(row, cfg)
-            samples = [j for j in range(cfg.samples_per_prompt) if j not in set(row.get("done_samples") or ())]
+            samples = _samples_to_do(row, cfg.samples_per_prompt)
             ids = None
             if error is None and samples:
-                t = time.perf_counter()
-                with self._tokenizer_lock:
-                    ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, cfg.chat_template)
-                tokenize_s += time.perf_counter() - t
+                ids, error, seconds = self._tokenize(row)
+                tokenize_s += seconds
             if error is not None:
-                outputs[i] = [self._row(ids or [], [], "error", SpecDecodeStats(self.K), error, seed, 0.0, j) for j in samples]
+                outputs[i] = [self._error_row(ids, error, seed, j) for j in samples]
                 self.live.add_errors(len(samples))
                 continue
             if samples:
@@ -537,7 +533,7 @@ class GenerationReplica:
                 wanted.append((i, samples, seed))
         spec = BeamSpec(cfg.beam_width, cfg.length_penalty, cfg.beam_config.early_stopping, cfg.num_return_sequences,
                         "none" if cfg.draft == NO_DRAFT else cfg.draft if cfg.draft in (NGRAM, SUFFIX) else "model",
-                        self.K, cfg.beam_lookup_budget, cfg.batch_size)
+                        self.num_speculative_tokens, cfg.beam_lookup_budget, cfg.batch_size)
         target = self.coordinator.target
         start = time.perf_counter()
         searched = answer(lambda: target.beam_search.remote(requests, spec, cfg.eos_token_ids), target, "target") if requests else []
@@ -554,6 +550,18 @@ class GenerationReplica:
         report = self._report()
         report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s
         return outputs, report, {}
+
+    def _tokenize(self, row: dict) -> tuple[list[int] | None, str | None, float]:
+        """The row's prompt as token ids (`prompt_token_ids`: ids, or None and why not), and the seconds it took."""
+        start = time.perf_counter()
+        with self._tokenizer_lock:
+            ids, error = prompt_token_ids(row.get("prompt"), self.tokenizer, self.cfg.chat_template)
+        return ids, error, time.perf_counter() - start
+
+    def _error_row(self, prompt_ids: list[int] | None, error: str, seed: int, sample_index: int) -> dict:
+        """The output row of a sample that cannot run: no tokens, empty statistics, `error` saying why."""
+        return self._row(prompt_ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, seed, 0.0,
+                         sample_index)
 
     def _report(self) -> LoopStats:
         """What the stream measured since the last call took it (and, in the first report, the
@@ -614,7 +622,7 @@ class GenerationReplica:
             "draft_model": self.cfg.draft,
             "target_dtype": self.target_dtype,
             "draft_dtype": self.draft_dtype,
-            "num_speculative_tokens": self.K,
+            "num_speculative_tokens": self.num_speculative_tokens,
             "acceptance": self.cfg.acceptance,
             "tree_budget": self.cfg.tree_budget,
             "seed": seed,

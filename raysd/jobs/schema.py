@@ -68,12 +68,17 @@ OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "
 MAX_NUM_SAMPLES = 1024
 
 
+def is_int(x) -> bool:
+    """An integer that is not a bool (True is an int to Python, never a count or a seed here)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def num_samples_of(value, default: int) -> tuple[int, str | None]:
     """(N, None) for a row's `num_samples` value (None: the job's `default`), or (1, why not): a
     bad value is one error row, sample 0. The id stage (resume) and the replicas count alike."""
     if value is None:
         return default, None
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_SAMPLES:
+    if not is_int(value) or not 1 <= value <= MAX_NUM_SAMPLES:
         return 1, f"num_samples must be an integer in 1..{MAX_NUM_SAMPLES}, got {value!r}"
     return value, None
 

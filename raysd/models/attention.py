@@ -5,12 +5,12 @@ grouped-query attention by repeating every key/value head `num_key_value_groups`
 (`repeat_kv`): a copy of the whole attended cache, per layer, per forward, which SDPA then reads
 G times over. Transformers 5.25 folds a single query token instead (`pack_gqa`), but not under
 torch.compile, and 5.17 never does; verification feeds K + 1 tokens per row, which it always
-repeats. On SmolLM2-135M (9 query heads over 3 key/value heads) a verify's attention took 1.7 ms
-per layer at batch 8 over 640 columns, against 0.5 ms folded (two CPU threads), for 30 layers. On a
-GPU the copy is bandwidth: a decode step of a Llama-3-8B shape (32 layers, 8 key/value heads of 128,
-G = 4, bf16) at batch 64 over 256 columns writes 8.6 GB of repeated keys and values and reads them
-back, about as many bytes as its 16 GB of weights, where at batch 1 it is a sixty-fourth of that:
-the copy grows with the batch, the weights do not.
+repeats. On SmolLM2-135M (9 query heads over 3 key/value heads) the copy makes a verify's attention
+on a CPU several times slower than folded (docs/history/notes.md). On a GPU the copy is bandwidth:
+a decode step of a Llama-3-8B shape (32 layers, 8 key/value heads of 128, G = 4, bf16) at batch 64
+over 256 columns writes 8.6 GB of repeated keys and values and reads them back, about as many bytes
+as its 16 GB of weights, where at batch 1 it is a sixty-fourth of that: the copy grows with the
+batch, the weights do not.
 
 `packed_gqa_attention` folds the group for every chunk length, one token included, as
 FlashAttention-style GQA kernels do: query [B, Hkv * G, T, D] -> [B, Hkv, G * T, D] (the G query
@@ -66,7 +66,7 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def _register() -> None:
     """Make PACKED_SDPA an attention implementation transformers knows; once per process, at the
     first use rather than at import: transformers' attention and mask registries live in its
-    modeling stack (~2.5 s to import), which a process that only coordinates never loads."""
+    modeling stack (seconds to import), which a process that only coordinates never loads."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

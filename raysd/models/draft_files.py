@@ -2,7 +2,7 @@
 
 A distilled draft (raysd.models.layer_draft) keeps `raysd_draft.json` beside its weights, an EAGLE
 draft (raysd.models.eagle_draft) `raysd_eagle.json`. The job's driver reads them to check a job and to
-find the target a draft belongs to; it loads no model, so it imports no torch (~1.5 s on a 2-core machine).
+find the target a draft belongs to; it loads no model, so it imports no torch (seconds of a job's start).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 transformers reads a GGUF file in Python at every load: it parses the metadata twice (config,
 then weights; the vocabulary alone is ~50,000 strings) and builds a tensor-name map per tensor.
-For the embedded SmolLM2-135M that is ~12 s on a 2-core CPU, of which dequantising the weights
-is 1.5 s, and the tokenizer another ~4 s; every job pays it in every model actor and replica,
-and again at every actor restart. raysd keeps what transformers produced (the model through
+For the embedded SmolLM2-135M that takes seconds (the tokenizer's conversion as well), and every
+job would pay it in every model actor and replica, and again at every actor restart (docs/history/
+benchmarks.md, Benchmark 6: start-up). raysd keeps what transformers produced (the model through
 `save_pretrained`, float tensors in safetensors, so they read back bit for bit; the tokenizer as
 tokenizer.json) and loads that the next time, in well under a second.
 

@@ -3,18 +3,14 @@
 A decode or verify forward multiplies each weight by M = rows x tokens activations, M = 1 to a few
 dozen, and reads every weight from memory once per forward: the model is memory-bound, and a
 product over M rows should cost about what one over a single row costs. PyTorch's `F.linear` on
-the CPU does not: MKL's GEMM re-packs the weight on every call, so M = 2 costs ~2x and M = 3 ~3x a
-single row (float32, SmolLM2-135M's shapes, weights cold in cache, one thread, AMD EPYC AVX2;
-docs/history/benchmarks.md "Linear kernels"). A verify over K + 1 tokens therefore cost up to twice a
-decode step, which is what decides whether speculation pays on a CPU.
+the CPU does not: MKL's GEMM re-packs the weight on every call, so every extra row costs nearly
+as much as the first, and a verify over K + 1 tokens costs a multiple of a decode step, which is
+what decides whether speculation pays on a CPU.
 
 oneDNN's linear over a weight packed once in its blocked layout (what Inductor's CPU freezing and
-vLLM's CPU backend run) costs 1.0-1.4x a single row up to M = 8 on the wide layers, and for a single
-row it is the fastest product there is: on SmolLM2-135M's shapes (float32, 2 threads, weights cold,
-AMD EPYC AVX-512, 2026-11-27), q/o 576 x 576 65 us against `F.linear`'s 121 (and x @ W^T's 110),
-gate/up 1536 x 576 180 against 313 (x @ W^T 197), down 576 x 1536 169 against 225, the output head
-49152 x 576 4.7 ms against 9.7 (x @ W^T 5.4); only k/v 192 x 576 are as fast either way (24 against
-21 us). Inside `with linears.active():`:
+vLLM's CPU backend run) costs little more for a few rows than for one on the wide layers, and on
+some CPUs its single-row product is the fastest there is (docs/history/benchmarks.md, "Linear
+kernels"). Inside `with linears.active():`:
 - 1 <= M <= 128: `torch.ops.mkldnn._linear_pointwise` on the packed copy, two or more rows padded
   up to one of `ROW_BUCKETS` (oneDNN caches a compiled primitive per shape: see there); larger M
   (prefill) `F.linear`.
@@ -22,10 +18,10 @@ The results differ from `F.linear`'s by float32 summation order only (~1e-6 rela
 GEMM and GEMV already differ from each other; tests/models/test_linear.py holds the runners'
 logits and the engine's greedy tokens to the stock kernels'.
 
-Whether the packed copy is faster depends on the machine: on the AMD EPYCs above it is, at one
-row and at several; on a 2-core Intel Xeon (AVX-512, AMX; 2026-11-29) MKL's own one-row product is
-~1.3x faster than oneDNN's for the whole model, and at 8 or more rows the two tie. `linear_kernels=
-"auto"` therefore times both on the model's own layers once per machine (`measure_choice`, kept in
+Whether the packed copy is faster depends on the CPU: on some it is, at one row and at several;
+on others MKL's own one-row product is faster and at 8 or more rows the two tie (docs/history/
+benchmarks.md, Benchmark 18). `linear_kernels="auto"` therefore times both on the model's own
+layers once per machine (`measure_choice`, kept in
 raysd's cache: `auto_choice`) and takes the packed copy only for the row counts where it is
 clearly faster (`KernelChoice`).
 
@@ -54,11 +50,11 @@ from torch import nn
 from raysd.models.gguf_cache import machine_entry, write_entry
 
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "packed", "stock")
-PACK_ROWS_HINT = 8  # the row count oneDNN packs for; measured to serve M = 2..32 as well as a per-M packing
-# oneDNN compiles and caches a primitive per input shape, ~0.6 MiB each: fed every row count a
-# prefill produces, a process grew by 474 MiB over 800 shapes. Packed products therefore take
-# these row counts only, the rows padded up to the next (fixed shapes, as a CUDA graph would);
-# larger products (prefill, where oneDNN measured no faster than MKL) run `F.linear`.
+PACK_ROWS_HINT = 8  # the row count oneDNN packs for: one packing serves M = 2..32 as well as one per M would
+# oneDNN compiles and caches a primitive per input shape and keeps it: fed every row count a prefill
+# produces, a process's memory grows with every new shape. Packed products therefore take these row
+# counts only, the rows padded up to the next (fixed shapes, as a CUDA graph would); larger products
+# (prefill, where oneDNN is no faster than MKL) run `F.linear`.
 ROW_BUCKETS: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _ATTR = "_raysd_linears"
 _CHOICE_ATTR = "_raysd_linear_choice"
@@ -124,9 +120,9 @@ def use_packed(model: nn.Module, kind: str) -> KernelChoice | None:
 
 def auto_choice(model: nn.Module) -> KernelChoice:
     """What "auto" takes for this model on this machine: read from raysd's cache, where it was
-    measured once per machine, layer shapes and thread count (~0.6 s saved at every later load of
-    SmolLM2, and the same choice in every process); else measured (packing the copies) and kept
-    there. Kept on the model as well, beside its copies."""
+    measured once per machine, layer shapes and thread count (no load pays the timing again, and
+    every process makes the same choice); else measured (packing the copies) and kept there. Kept
+    on the model as well, beside its copies."""
     choice = model.__dict__.get(_CHOICE_ATTR)
     if choice is not None:
         return choice
@@ -154,7 +150,7 @@ def choose(stock_s: dict[int, float], packed_s: dict[int, float]) -> KernelChoic
 def measure_choice(linears: PackedLinears, rounds: int = 3) -> KernelChoice:
     """Time every linear layer of the model in turn, as a forward runs them (each weight read from
     memory, as in decoding), stock against packed, at each of MEASURED_ROWS rows: the median of
-    `rounds` interleaved passes after one warm-up. A pass over SmolLM2-135M costs ~20-60 ms."""
+    `rounds` interleaved passes after one warm-up."""
     layers = list(linears.layers.items())
     g = torch.Generator().manual_seed(0)  # not the global generator: measuring draws nothing of the caller's
     inputs = {rows: [torch.randn(rows, m.in_features, generator=g) for m, _ in layers] for rows in MEASURED_ROWS}

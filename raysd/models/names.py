@@ -3,8 +3,8 @@ group: what a config check needs, without torch.
 
 `raysd.jobs.config` validates a job from these alone, and a replica's coordinator
 (raysd.actors.coordinator) builds its actors' configs from them, so the Ray Data actors that only
-move rows (the id stage, a replica) import no torch or transformers (~3 s each on a 2-core
-machine). `raysd.models.loading` loads what they name.
+move rows (the id stage, a replica) import no torch or transformers (seconds each, paid before
+the first token). `raysd.models.loading` loads what they name.
 """
 
 from __future__ import annotations

@@ -81,8 +81,7 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
     """The closest non-decreasing sequence in least squares (pool adjacent violators). A forward
     over more tokens per row does not cost less, so a measured dip is noise; left in, it makes the
     adaptive controller see a K > 0 step as cheaper than plain decoding and draft where drafting
-    loses (seen at batch 8: T(2 tokens) profiled 9% below T(1 token) while actually 30% above,
-    and `-k auto` drafted on 99% of steps at 0.87x of `--draft none`)."""
+    loses (docs/history/benchmarks.md, Benchmark 6: `-k auto` against `--draft none`)."""
     blocks: list[list[float]] = []  # [mean, count] of each pooled run
     for v in values:
         blocks.append([float(v), 1.0])
@@ -98,8 +97,8 @@ def time_forward_upto(model, batch_size: int, k_max: int, context: int = 128, re
     """[k_max + 1] seconds of one forward of K + 1 tokens per row, K = 0..k_max: measured at K = 0
     and the powers of two up to k_max (and k_max), linear in between. A forward's time is close to
     piecewise linear in its tokens, and the adaptive controller weighs steps, not microseconds:
-    measuring 5 of 9 points takes about half the start-up (issue 17: a profile must cost less
-    than it saves). The measured points are made non-decreasing in K first (`nondecreasing`)."""
+    measuring a few points instead of all of them keeps the profile cheaper than what it saves.
+    The measured points are made non-decreasing in K first (`nondecreasing`)."""
     ks = sorted({0, k_max, *(2**i for i in range(k_max.bit_length()) if 2**i <= k_max)})
     raw = time_forward(model, batch_size, ks, context, reps, runner)
     measured = dict(zip(ks, nondecreasing([raw[k] for k in ks])))

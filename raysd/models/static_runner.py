@@ -49,9 +49,10 @@ SMALL_CHUNK = 16  # chunks up to this wide keep all their logits (verification: 
 # symbolic shapes a model recompiles for T = 1 against T > 1, B = 1 against B > 1 and B against the
 # slots' count (6 in tests/models/test_static_runner.py), and a target and its draft share the code.
 COMPILES = 32
-# What one more prefill forward costs, in prompt tokens: SmolLM2-135M (fp32, two CPU cores) takes
-# 34 ms for a one-token forward and 1.1 ms per prompt token more. (On a GPU the ratio is larger:
-# splitting a prefill there costs a few extra weight reads at admission, nothing per step.)
+# What one more prefill forward costs, in prompt tokens: on a CPU, the embedded SmolLM2's one-token
+# forward costs about as much as 32 more prompt tokens in a forward (docs/history/notes.md). (On a
+# GPU the ratio is larger: splitting a prefill there costs a few extra weight reads at admission,
+# nothing per step.)
 PREFILL_CALL_TOKENS = 32
 STATIC_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})  # tested: tests/models/test_static_runner.py
 

@@ -16,16 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from raysd.cli import comma_list
 from raysd.models.loading import DEFAULT_MODEL, ModelSpec, eos_token_ids, load_model, load_tokenizer
 
 ASSIST = "+ngram"  # `--draft MODEL+ngram`: n-gram lookup drafts for the draft model MODEL (raysd.engine.draft_assist)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "question.jsonl from $RAYSD_SPEC_BENCH, or in a checkout ../shared/data/spec_bench")
     p.add_argument("--prompts-per-task", type=int, default=4)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--batch-sizes", type=_ints, default=(1, 4, 16, 64))
-    p.add_argument("--ks", type=_ints, default=tuple(range(1, 9)), help="K values to measure (predictions cover 0..8)")
+    p.add_argument("--batch-sizes", type=comma_list(int), default=(1, 4, 16, 64))
+    p.add_argument("--ks", type=comma_list(int), default=tuple(range(1, 9)), help="K values to measure (predictions cover 0..8)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")

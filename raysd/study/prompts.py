@@ -34,9 +34,12 @@ def default_prompts_path() -> Path:
     return Path(raysd.__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
-def task_of(record: dict) -> str:
-    task = record.get("task") or record.get("category") or "default"
-    return "mt_bench" if task in MT_BENCH_CATEGORIES else str(task)
+def task_of(name: str | None) -> str:
+    """The Spec-Bench task a prompt file's `task` or `category` names: MT-bench's categories are one
+    task, "mt_bench"; no name is "default"."""
+    if not name:
+        return "default"
+    return "mt_bench" if name in MT_BENCH_CATEGORIES else str(name)
 
 
 def load_prompts(path: str | Path, per_task: int, tokenizer=None, max_prompt_tokens: int = 512) -> list[StudyPrompt]:
@@ -57,7 +60,7 @@ def load_prompts(path: str | Path, per_task: int, tokenizer=None, max_prompt_tok
             if not line.strip():
                 continue
             record = json.loads(line)
-            task = task_of(record)
+            task = task_of(record.get("task") or record.get("category"))
             if len(by_task[task]) >= per_task:
                 continue
             if "prompt_token_ids" in record:

@@ -2,8 +2,9 @@
 
 A Llama whose embedding rows are all equal and whose attention and MLP write nothing
 (o_proj and down_proj zero) has the same final hidden state whatever the context, so its
-next-token distribution is one fixed vector. A target and a draft with two such vectors p
-and q accept every draft independently with probability a = sum_x min(p(x), q(x)) at
+next-token distribution is one fixed vector. A target and a draft with two such vectors
+target_probs and draft_probs accept every draft independently with probability
+a = sum_x min(target_probs(x), draft_probs(x)) at
 temperature 1 (Leviathan et al. 2023, Corollary 3.6): exactly the i.i.d. assumption
 behind E = (1 - a^(K+1)) / (1 - a).
 """

@@ -38,7 +38,7 @@ def test_leviathan_table1(alpha, k, ops, speed):
 
 
 @pytest.mark.parametrize(
-    "alpha, c, k_star, speed",  # papers.md §1.1 derived table, gamma in 1..40
+    "alpha, c, k_star, speed",  # the optimum of Leviathan et al. 2023 Theorem 3.8 over gamma in 1..40
     [(0.5, 0.01, 5, 1.88), (0.6, 0.05, 4, 1.92), (0.7, 0.1, 4, 1.98),
      (0.8, 0.05, 8, 3.09), (0.8, 0.2, 4, 1.87), (0.9, 0.01, 24, 7.49), (0.9, 0.1, 10, 3.43)],
 )
@@ -53,8 +53,8 @@ def test_leviathan_table4_prediction():
     assert round(th.expected_walltime_improvement(0.75, 7, 0.02), 1) == 3.2
 
 
-def test_overlap_examples_from_notes():
-    # papers.md §1.5: memory-bound target (T(B,K+1) == T(B,1)), c = T_d/T_t.
+def test_overlap_examples():
+    # A memory-bound target (T(B,K+1) == T(B,1)), c = T_d/T_t.
     e = th.expected_tokens_per_step(0.8, 20)
     assert th.overlapped_speedup(e, 1.0, 1.0, 0.05, 20) == pytest.approx(4.95, abs=0.005)
     e = th.expected_tokens_per_step(0.7, 10)
@@ -108,7 +108,7 @@ def test_speculation_helps_iff_optimal_k_positive():
 @settings(max_examples=max(300, settings().max_examples), deadline=None, database=None)
 @given(a=st.floats(0, 1), c=st.floats(0, 2), k=st.integers(0, 64),
        t1=st.floats(1e-4, 1.0), ratio=st.floats(1.0, 70.0), td=st.floats(0, 0.5))
-@example(a=0.75, c=0.0, k=0, t1=1e-4, ratio=1.0, td=0.0)  # issue 21: E rounded to 0.9999999999999999
+@example(a=0.75, c=0.0, k=0, t1=1e-4, ratio=1.0, td=0.0)  # E computes 0.9999999999999999 unclamped
 @example(a=0.6, c=0.0, k=0, t1=1e-4, ratio=1.0, td=0.0)
 @example(a=1.0 - 2.0**-53, c=0.0, k=64, t1=1.0, ratio=70.0, td=0.5)
 @example(a=5e-324, c=2.0, k=1, t1=1e-4, ratio=1.0, td=0.0)
@@ -125,11 +125,12 @@ def test_properties(a, c, k, t1, ratio, td):
         e, t1, t1 * ratio, td, k, t_comm=0.01) * (1 - 1e-12)
 
 
-# ---------------------------------------------------------------- bounds under rounding (issue 21)
+# ---------------------------------------------------------------- bounds under rounding
 
 
-def test_issue_21_expected_tokens_at_k0_is_exactly_one():
-    """Hypothesis found alpha = 0.75, K = 0: E was 0.9999999999999999 and serial_speedup rejected it."""
+def test_expected_tokens_at_k0_is_exactly_one():
+    """At K = 0, E is exactly 1 whatever alpha (unclamped, alpha = 0.75 computes 0.9999999999999999),
+    and the speed-ups accept it."""
     for a in (0.75, 0.6, 0.9, 1.0 - 2.0**-53):
         e = th.expected_tokens_per_step(a, 0)
         assert e == 1.0

@@ -1,4 +1,4 @@
-"""Choosing the tree each step (issue 19 item 5): the controller weighs chains and trees on one
+"""Choosing the tree each step: the controller weighs chains and trees on one
 scale of expected goodput, learns the acceptance of each rank from the verification walks, and
 drafts a tree only where it beats the best chain. Outputs stay exact whatever it chooses."""
 

@@ -1,4 +1,4 @@
-"""The EAGLE feature draft through the engine (issue 18 items 1-2): the target hands over its
+"""The EAGLE feature draft through the engine: the target hands over its
 features, the draft drafts from them, and the output stays the target's: greedy token for token,
 sampled in law."""
 

@@ -1,4 +1,4 @@
-"""Draft trees from the EAGLE feature draft (issue 19 item 1): FeatureDrafter.propose_tree grows
+"""Draft trees from the EAGLE feature draft: FeatureDrafter.propose_tree grows
 EAGLE-2's tree from the target's features and its own hidden states; the verifier hands back the
 features of the tree's head and accepted path. Layers: each node reads the right feature (against
 the draft run by hand without a cache); the output stays the target's (greedy token for token,

@@ -175,9 +175,9 @@ def test_config_is_validated():
 
 def test_proposal_cost():
     """32 rows against 200 finished sequences of 300 tokens (phrases shared between sequences, so
-    matches are long and frequent). Measured on the shared 2-core development CPU (load 4): 0.1-0.3 ms
-    per row to draft; the one-hot [B, K, V] draft_probs at V = 32000, which NgramDrafter builds too,
-    add 0.2-0.5 ms per row. Not asserted (no timing asserts): printed with -s."""
+    matches are long and frequent): the seconds per row to draft, and those of the one-hot
+    [B, K, V] draft_probs at V = 32000 that NgramDrafter builds too (docs/history/notes.md has a
+    run's figures). Not asserted (no timing asserts): printed with -s."""
     rng = np.random.default_rng(0)
     phrases = [rng.integers(3, 32_000, rng.integers(5, 30)).tolist() for _ in range(60)]
 

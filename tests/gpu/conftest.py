@@ -1,4 +1,4 @@
-"""GPU tests (issue 8): collected everywhere, run only where CUDA is available.
+"""GPU tests: collected everywhere, run only where CUDA is available.
 
 Every test under tests/gpu is marked `gpu` and skipped cleanly on a machine without
 CUDA, so `python -m pytest tests/gpu -q` on the CPU machine reports them all skipped.
@@ -55,7 +55,7 @@ def _graphs_without_compiling(monkeypatch):
 
 
 def pytest_runtest_logreport(report):
-    """A failure's traceback at once, not at the session's end: on the lent GPU a later hang (a Ray
-    shutdown at a module's teardown) and the stage's time limit swallowed the summary (2026-11-28)."""
+    """A failure's traceback at once, not at the session's end: a later hang (a Ray shutdown at a
+    module's teardown) and a time limit on the run would swallow the summary."""
     if report.failed:
         print(f"\n{report.nodeid} ({report.when}) FAILED\n{report.longreprtext}", flush=True)

@@ -1,4 +1,4 @@
-"""The Ray pipeline on one GPU (issue 8, part 1): draft and target actors with
+"""The Ray pipeline on one GPU: draft and target actors with
 num_gpus=0.5 each share the device; models in bf16 (and fp32 for the exact check).
 
 * One micro-batch as wide as the engine's batch makes the same batches, in the same
@@ -40,8 +40,8 @@ K, MAX_NEW = 4, 16
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    # 8 CPUs on the GPU machine (16 cores): Ray starts at most num_cpus worker processes at once, and the
-    # last test's step-graph proxy once waited past its 60 s for a worker (2026-11-28, H200, third session)
+    # 8 CPUs where there is a GPU: Ray starts at most num_cpus worker processes at once, and with fewer the
+    # last test's step-graph proxy can wait past its 60 s for a worker
     own_ray(num_cpus=8 if DEVICE.type == "cuda" else 4, num_gpus=1 if DEVICE.type == "cuda" else 0)
     yield
     ray.shutdown()

@@ -1,4 +1,4 @@
-"""The engine on a CUDA device (issue 8, part 1).
+"""The engine on a CUDA device.
 
 * fp32 on the GPU: token-identical to the target's own `generate` on the GPU (tiny
   models have no fp32 near-ties, TF32 is off: see conftest).

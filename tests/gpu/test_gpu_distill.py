@@ -1,4 +1,4 @@
-"""`raysd distill` on a CUDA device (issue 44 item 4): teacher data from a target on the GPU, training there
+"""`raysd distill` on a CUDA device: teacher data from a target on the GPU, training there
 (`--device cuda --backend local`), and drafts saved that load back. A tiny random Llama with token-id prompts,
 so it runs in seconds; the real draft's recipe is in docs/distill.md."""
 

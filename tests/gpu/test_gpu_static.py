@@ -1,4 +1,4 @@
-"""The static-cache runner on a CUDA device (issue 8, part 2): exact logits, no host
+"""The static-cache runner on a CUDA device: exact logits, no host
 synchronisation in a decode step, a step captured as a CUDA graph that replays exactly,
 and the engine over static runners in bf16.
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel target in bf16 (issue 43): 2 ranks' greedy tokens against the whole bf16 model's
+"""A tensor-parallel target in bf16: 2 ranks' greedy tokens against the whole bf16 model's
 own `generate`, judged by the near-tie rule (tests/gpu/gpu_helpers.py): the ranks' all-reduce adds
 two partial sums where the whole model's matmul adds one, so bf16 may flip a near-tie, nothing else.
 

@@ -1,4 +1,4 @@
-"""`raysd generate --acceptance` (issue 20 item 1): exact by default, `relaxed:LAMBDA` on request,
+"""`raysd generate --acceptance`: exact by default, `relaxed:LAMBDA` on request,
 and every row records the rule that produced it."""
 
 from __future__ import annotations

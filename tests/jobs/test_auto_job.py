@@ -1,5 +1,5 @@
-"""`-k auto` end to end: no profiling pass before the first token, with a draft model or without
-(issue 40 item 3): the step costs are learned from the job's own steps, and the rows stay the
+"""`-k auto` end to end: no profiling pass before the first token, with a draft model or without:
+the step costs are learned from the job's own steps, and the rows stay the
 target's greedy tokens whatever K is chosen. A fixed K with a draft model measures its profile
 once per models and machine (to choose one or two micro-batches)."""
 

@@ -1,4 +1,4 @@
-"""`raysd generate --draft-assist ngram` (issue 20 item 2): one-line refusals, the fingerprint, and a
+"""`raysd generate --draft-assist ngram`: one-line refusals, the fingerprint, and a
 three-level job whose greedy rows are the target's own tokens."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`raysd generate --draft <an EAGLE draft>`: the draft actor builds the feature draft on the job's
-target, and the rows are the target's own greedy continuations (issue 18)."""
+target, and the rows are the target's own greedy continuations."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("tree_budget", [0, 8])  # a chain, and EAGLE-2's tree (issue 19)
+@pytest.mark.parametrize("tree_budget", [0, 8])  # a chain, and EAGLE-2's tree
 def test_an_eagle_draft_job_gives_the_targets_greedy_tokens(tmp_path, local_ray, tree_budget):
     target_dir, eagle_dir = tmp_path / "target", tmp_path / "eagle"
     target = tiny_model("llama", seed=0)

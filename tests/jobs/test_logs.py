@@ -1,4 +1,4 @@
-"""What a job prints (issue 41 item 7): --quiet only the summary; the default raysd's own progress
+"""What a job prints: --quiet only the summary; the default raysd's own progress
 (a line rewritten in place on a terminal, a line every 10 s elsewhere) and nothing of Ray's;
 --verbose Ray Data's own progress and Ray's messages too."""
 

@@ -176,7 +176,7 @@ def test_dashboard_queries_name_exported_metrics_only():
     assert {m.name for m in METRICS if not set(m.series) & used} == set()
 
 
-def test_dashboard_has_the_panels_the_issue_lists():
+def test_dashboard_has_the_panels_of_docs_metrics():
     board = json.loads(DASHBOARD.read_text())
     titles = {p["title"] for p in board["panels"] if p["type"] != "row"}
     assert {"Throughput", "Acceptance rate", "Acceptance per position", "Step time split", "K chosen", "Occupancy", "Queue",

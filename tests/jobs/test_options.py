@@ -1,4 +1,4 @@
-"""Issue 41, the job layer: N samples per prompt (resumed per (id, sample_index)), stop strings,
+"""The job layer's options: N samples per prompt (resumed per (id, sample_index)), stop strings,
 log-probabilities, per-row top_p/top_k, dtype auto, the cloud extras' hint, and one-line errors
 for every new flag before anything loads."""
 
@@ -224,8 +224,8 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def test_one_line_names_the_innermost_cause():
-    from raysd.jobs.cli import _one_line
+def test_a_failure_line_names_the_innermost_cause():
+    from raysd.jobs.cli import failure_line
 
     class Wrapper(Exception):
         pass
@@ -236,11 +236,11 @@ def test_one_line_names_the_innermost_cause():
         except NameError as inner:
             raise Wrapper("To change retry attempts, configure ray.data.DataContext") from inner
     except Wrapper as exc:
-        assert _one_line(exc) == "NameError: name 'X' is not defined"
+        assert failure_line(exc) == "NameError: name 'X' is not defined"
     # Ray Data appends its retry advice to the message of the exception a stage raised: the first line is raysd's.
     advised = RuntimeError("the target actor died: killed\nFailed to apply UDF transform after 1/1 attempts.\n"
                            "To change retry attempts, backoff, or which errors are retried, configure ...")
-    assert _one_line(advised) == "RuntimeError: the target actor died: killed"
+    assert failure_line(advised) == "RuntimeError: the target actor died: killed"
 
 
 # ---------------------------------------------------------------------------------------- a job

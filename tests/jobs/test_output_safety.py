@@ -1,4 +1,4 @@
-"""Your files (issue 38): what raysd refuses to write into, what `--overwrite` deletes, and how a
+"""Your files: what raysd refuses to write into, what `--overwrite` deletes, and how a
 resume checks that the output was started from the same input. No Ray: `check_job` and
 `OutputStore` write the output as a job would (`_job.json`, parts), and the files are compared
 byte for byte afterwards. The same properties through real jobs: tests/reliability/test_lifecycle.py."""
@@ -52,7 +52,7 @@ def start(c: GenerateConfig, ids=(0, 1)):
 
 @pytest.fixture
 def mydata(tmp_path):
-    """The issue's folder: an input and a notes file side by side."""
+    """A user's folder: an input and a notes file side by side."""
     d = tmp_path / "mydata"
     write_jsonl(d / "prompts.jsonl", [[5, 6], [7, 8, 9]])
     (d / "notes.txt").write_text("my notes")
@@ -68,7 +68,7 @@ def test_refusals_touch_nothing(tmp_path, mydata, model_dirs, monkeypatch):
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     cases = {  # output: (what the one-line error says), with and without --overwrite
-        str(mydata): "holds the input file",  # the issue: the folder holding the input
+        str(mydata): "holds the input file",  # the folder holding the input
         str(mydata / "sub"): None,  # a new directory beside the input: fine
         str(tmp_path / "precious_copy.txt"): "is a file",
         str(tmp_path / "foreign"): "was not written by raysd",
@@ -142,7 +142,7 @@ def test_resume_refuses_another_input_or_a_changed_one(tmp_path, model_dirs):
     out = tmp_path / "outAB"
     start(cfg(a, out, target))
     parts = snapshot(out)
-    # The issue: input B into A's output. Refused, naming the files.
+    # Input B into A's output: refused, naming the files.
     with pytest.raises(JobError, match=r"started from another input \(files it was made from that this input lacks: "
                                        rf"{a}; files new in this input: {b}; 3 rows now, 2 then\)"):
         check_job(cfg(b, out, target))
@@ -186,7 +186,7 @@ def test_an_output_from_before_input_records_resumes_only_from_the_same_input(tm
     out = tmp_path / "out"
     start(cfg(a, out, target))
     record = json.loads((out / JOB_FILE).read_text())
-    del record["input"]  # as written before issue 38
+    del record["input"]  # as a raysd that recorded no input wrote it
     (out / JOB_FILE).write_text(json.dumps(record))
     with pytest.raises(JobError, match="predates input checks"):
         check_job(cfg(b, out, target))
@@ -243,7 +243,7 @@ def test_a_parquet_id_that_is_not_utf8_is_refused_with_its_row(tmp_path, model_d
     assert open_input(str(tmp_path / "in2.parquet")).row_digest("id")[0] == 2
 
 
-def test_the_issue_scenario_through_the_cli(tmp_path, mydata):
+def test_an_output_over_its_input_folder_through_the_cli(tmp_path, mydata):
     """`--input mydata/prompts.jsonl --output mydata --overwrite`: one line, exit 2, before Ray or
     any model, and the folder as it was."""
     before = snapshot(tmp_path)

@@ -1,4 +1,4 @@
-"""The driver's progress line (issue 21): while Ray starts and the models load it says the job
+"""The driver's progress line: while Ray starts and the models load it says the job
 is starting, not "0 rows generated, 0 written, 0 already there; 0.0 tok/s"."""
 
 import re

@@ -1,4 +1,4 @@
-"""Issue 17: a replica keeps its micro-batches full across Ray Data blocks, and the job says where
+"""A replica keeps its micro-batches full across Ray Data blocks, and the job says where
 its time goes (seconds per stage, engine occupancy) in the summary and the progress line."""
 
 from __future__ import annotations

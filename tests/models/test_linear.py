@@ -58,7 +58,7 @@ def test_a_linear_made_under_inference_mode_packs():
 
 
 def test_every_row_count_pads_to_a_bucket_or_runs_stock_with_the_same_results():
-    """oneDNN caches a compiled primitive per shape (~0.6 MiB each): packed products see only the
+    """oneDNN caches a compiled primitive per shape, and keeps it: packed products see only the
     row counts of ROW_BUCKETS, the rows zero-padded up to the next; beyond the last, F.linear."""
     g = torch.Generator().manual_seed(9)
     layer = nn.Linear(32, 48)
@@ -138,7 +138,7 @@ def test_auto_is_float32_on_a_cpu_where_measured_faster_and_packed_refuses_anyth
 def test_auto_takes_the_packed_copy_only_where_clearly_faster():
     stock = {1: 1.0, 8: 2.0}
     assert choose(stock, {1: 0.5, 8: 1.0}) == PACKED  # the AMD EPYCs' case
-    assert choose(stock, {1: 1.3, 8: 1.95}) == KernelChoice(one_row=False, few_rows=False)  # the Intel Xeon's: a tie at 8 rows
+    assert choose(stock, {1: 1.3, 8: 1.95}) == KernelChoice(one_row=False, few_rows=False)  # a CPU where the two tie at 8 rows
     assert choose(stock, {1: 1.3, 8: 1.0}) == KernelChoice(one_row=False, few_rows=True)
     assert choose(stock, {1: AUTO_MARGIN, 8: 2.0}) == KernelChoice(one_row=False, few_rows=False)  # the margin is strict
 

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--faults", default="target,draft,replica,driver")
     p.add_argument("--soak-kills", type=int, default=0,
-                   help="run the randomized fault soak instead (issue 22): jobs on a simulated two-node cluster, "
+                   help="run the randomized fault soak instead: jobs on a simulated two-node cluster, "
                         "killed at random times until this many kills were made")
     p.add_argument("--kills-per-job", type=int, default=6)
     p.add_argument("--min-gap-s", type=float, default=1.0, help="soak: least time between two kills")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---- the randomized fault soak (issue 22, item 3): not a CI test, figures for docs/reliability.md ----
+# ---- the randomized fault soak: not a CI test, figures for docs/reliability.md ----
 
 SOAK_VICTIMS = ("target", "draft", "replica", "write", "stats", "node")
 

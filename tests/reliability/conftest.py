@@ -48,6 +48,23 @@ def model_dirs(tmp_path_factory):
     return str(target), str(draft), str(tok_target)
 
 
+def keyed_input(root, model_dirs, n_rows: int, max_new_tokens: int, seed: int):
+    """(a JSON Lines input of `n_rows` token-id prompts keyed k000, k001, ..., {key: the greedy tokens
+    of the single-process engine}): what a clean job writes for each key (tests/jobs/test_generate.py)."""
+    import json
+
+    from raysd.core.sampling import SamplingParams
+    from tests.jobs.conftest import token_prompts
+    from tests.jobs.test_generate import reference
+
+    target, draft, _ = model_dirs
+    prompts = token_prompts(n_rows, seed=seed)
+    inp = root / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"key": f"k{i:03d}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    ref = reference(target, draft, prompts, [SamplingParams(max_new_tokens=max_new_tokens)] * n_rows)
+    return inp, {f"k{i:03d}": toks for i, toks in enumerate(ref)}
+
+
 def read_rows(out) -> list[dict]:
     import pyarrow.parquet as pq
     from pathlib import Path

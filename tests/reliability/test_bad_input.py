@@ -1,4 +1,4 @@
-"""Bad input, property-based (issue 6, item 3).
+"""Bad input, property-based.
 
 Hypothesis drives the input layer directly, with no Ray and no model, for most examples:
 prompt preparation (`prompt_token_ids` through a real tokenizer with a chat template, built

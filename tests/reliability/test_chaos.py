@@ -1,4 +1,4 @@
-"""Chaos: SIGKILL real processes in the middle of a real job (issue 6, items 1 and 2).
+"""Chaos: SIGKILL real processes in the middle of a real job.
 
 - the target actor (a colocated replica's one model actor, or a split replica's target), the draft
   actor of a split replica (restarted by Ray, the coordinator re-runs the rows in flight);
@@ -13,16 +13,11 @@ which is the reference here.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig
-from tests.jobs.conftest import token_prompts
-from tests.jobs.test_generate import reference
 from tests.reliability.chaos import Outcome, compare, kill_actor_mid_job, kill_driver_mid_job
-from tests.reliability.conftest import read_rows
+from tests.reliability.conftest import keyed_input, read_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
@@ -33,13 +28,7 @@ N_ROWS, MAX_NEW = 64, 12
 
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory, model_dirs):
-    target, draft, _ = model_dirs
-    root = tmp_path_factory.mktemp("chaos")
-    prompts = token_prompts(N_ROWS, seed=11)
-    inp = root / "prompts.jsonl"
-    inp.write_text("".join(json.dumps({"key": f"k{i:03d}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
-    ref = reference(target, draft, prompts, [SamplingParams(max_new_tokens=MAX_NEW)] * N_ROWS)
-    return inp, {f"k{i:03d}": toks for i, toks in enumerate(ref)}
+    return keyed_input(tmp_path_factory.mktemp("chaos"), model_dirs, N_ROWS, MAX_NEW, seed=11)
 
 
 @pytest.mark.parametrize("fault, shape", [("target", "colocated"), ("replica", "colocated"), ("target", "split"),
@@ -165,7 +154,7 @@ def test_no_pipeline_stage_asks_for_a_cpu(job_input, local_ray, tmp_path):
 
 def test_stats_actor_loss_costs_counts_only(local_ray, monkeypatch):
     """JobStats (the progress counts) is the one raysd actor of a job besides the stages. Its loss
-    must never end the job (issue 22): it lives on the driver's node, Ray restarts it if its
+    must never end the job: it lives on the driver's node, Ray restarts it if its
     process dies (empty: the summary says its counts are partial), and a report or a read that
     cannot reach it is dropped, whether the actor is gone (RayActorError) or unreachable for a
     moment (ActorUnavailableError, as while its node is being lost)."""

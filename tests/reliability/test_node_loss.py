@@ -1,4 +1,4 @@
-"""A job survives the loss of a worker node (issue 22), on a simulated multi-node cluster
+"""A job survives the loss of a worker node, on a simulated multi-node cluster
 (`ray.cluster_utils.Cluster`: several raylets on this machine; a node is lost by SIGKILLing its
 raylet and everything on it, as when a machine dies).
 
@@ -11,7 +11,7 @@ raylet and everything on it, as when a machine dies).
   replaces it. The lost replica retires once its actors cannot be placed (a short
   `--placement-timeout` here), its rows go back, and the job finishes them on the replica left, in
   a second pass; the summary says so.
-- One replica whose draft and target are on different nodes (`--placement-strategy SPREAD`, each
+- One replica whose draft and target are on different nodes (`--placement-strategy STRICT_SPREAD`, each
   node has CPUs for one of them); the worker node is lost. The head has a CPU to spare, so the lost
   actor comes back there.
 
@@ -22,18 +22,13 @@ which the tests check too.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import ray
 
-from raysd.core.sampling import SamplingParams
 from raysd.jobs import GenerateConfig
-from tests.jobs.conftest import token_prompts
-from tests.jobs.test_generate import reference
 from tests.reliability.chaos import (VICTIMS, JobThread, Outcome, add_worker, alive_actors, compare, hold_replicas,
                                      lose_node, placement_groups, release_replicas, start_cluster, wait_for)
-from tests.reliability.conftest import read_rows
+from tests.reliability.conftest import keyed_input, read_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("own-rays")]  # tests/conftest.py
 
@@ -55,13 +50,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def job_input(tmp_path_factory, model_dirs):
-    target, draft, _ = model_dirs
-    root = tmp_path_factory.mktemp("node-loss")
-    prompts = token_prompts(N_ROWS, seed=23)
-    inp = root / "prompts.jsonl"
-    inp.write_text("".join(json.dumps({"key": f"k{i:03d}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
-    ref = reference(target, draft, prompts, [SamplingParams(max_new_tokens=MAX_NEW)] * N_ROWS)
-    return inp, {f"k{i:03d}": toks for i, toks in enumerate(ref)}
+    return keyed_input(tmp_path_factory.mktemp("node-loss"), model_dirs, N_ROWS, MAX_NEW, seed=23)
 
 
 def _config(inp, out, model_dirs, **kw) -> GenerateConfig:

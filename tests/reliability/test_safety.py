@@ -1,4 +1,4 @@
-"""Safe defaults (issue 6, item 5): no repository code, no unpickled weights, a local Ray on
+"""Safe defaults: no repository code, no unpickled weights, a local Ray on
 localhost without a dashboard, and no file outside the output directory. No Ray, no job here
 (except one CLI run); the end-to-end path-like ids are in test_bad_input.py."""
 

@@ -1,7 +1,7 @@
-"""A short soak (issue 6, item 4): bench/soak.py with 2000 rows. Memory stays flat, every time
-window makes progress, every row comes out once. Throughput is not asserted here: on a shared 2-core
-machine a window's tokens/s moves 3x with the load beside it, so a speed bound would pass or fail by
-chance. bench/soak.py reports tokens/s per window; the long runs (tens of thousands of rows, alone on
+"""A short soak: bench/soak.py with 2000 rows. Memory stays flat, every time window makes
+progress, every row comes out once. Throughput is not asserted here: on a machine shared with other
+work a window's tokens/s moves several-fold with the load beside it, so a speed bound would pass or
+fail by chance. bench/soak.py reports tokens/s per window; the long runs (tens of thousands of rows, alone on
 the machine) and their figures are in docs/reliability.md."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chaos with a tensor-parallel target (issue 43, must-have 4): SIGKILL one of the target's two
+"""Chaos with a tensor-parallel target: SIGKILL one of the target's two
 rank actors in the middle of a real job. The rank's group is broken, so the replica's coordinator
 kills the surviving rank and starts both afresh in a new group (raysd.actors.coordinator
 `_recover`); the rows in flight re-run from their prompts. The job finishes with every input id
