@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A lent GPU's checks and figures (issue 44), as stages, run on the device machine from the repository
+# A lent GPU's checks and figures, as stages, run on the device machine from the repository
 # root: `bash scripts/gpu_session.sh STAGE...`. docs/contributing/gpu_runbook.md says what each call
 # carries (the tree plus at most 64 MiB in all: Ray and the SmolLM2 weights travel in pieces).
 #
@@ -15,7 +15,7 @@
 #   bench     8B/1B-shaped random bf16 pair: ceilings, step costs, AR and speculative tokens/s, syncs
 #   compile   the 8B/1B step costs as CUDA graphs of the eager and the torch.compile'd step, against the floor
 #   bench-compiled  the engine with --cuda-graphs --compile (graphs of torch.compile's kernels) on the 8B/1B pair
-#   programs  the 8B/1B pair with every step a replay of a program captured before the first step (issue 68): plain,
+#   programs  the 8B/1B pair with every step a replay of a program captured before the first step: plain,
 #             K = 4 and -k auto at a = 0.8, B = 1 8 32 64; per-step graph counters, host syncs, kernel time by kind
 #   programs-compiled  the same at B = 1 8 32 with torch.compile under the graphs: its compiles and their seconds
 #   e2e       bench fast_step --device cuda: raysd generate and the actors against the engine

@@ -16,5 +16,8 @@ pytest_run() {  # exit status 5 (no test selected, e.g. no `alone` test under th
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
 }
 
+start=$SECONDS
 pytest_run -n "${RAYSD_TEST_WORKERS:-2}" --dist loadfile -m "not alone" "$@"
+shared=$((SECONDS - start)); start=$SECONDS
 pytest_run -n "${RAYSD_TEST_WORKERS:-2}" --dist loadgroup -m alone "$@"
+echo "scripts/test.sh: the shared tests $shared s, the alone tests $((SECONDS - start)) s"
