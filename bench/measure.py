@@ -32,7 +32,7 @@ DEFINITIONS = {
     "tokens_per_s": "generated tokens / wall seconds of the whole generate call (prefill included; model "
                     "loading excluded unless the variant's `timed` says otherwise)",
     "acceptance_rate": "accepted drafts / drafted drafts, pooled over rows",
-    "alpha": "sum of sum_x min(p, q) over tested positions / tested positions, pooled over rows "
+    "alpha": "sum of sum_x min(target_probs(x), draft_probs(x)) over tested positions / tested positions, pooled over rows "
              "(SpecDecodeStats.alpha_estimate over the run)",
     "mean_acceptance_length": "1 + accepted / target passes (passes summed over rows): tokens per row per target pass",
     "median": "median over --repeats repeats, variants interleaved within each repeat",

@@ -27,8 +27,8 @@ from bench.measure import DEFINITIONS, fmt, paired_ratio
 
 MANIFEST = ROOT / "bench" / "performance.toml"
 PAGE = ROOT / "docs" / "performance.md"
-MAX_LINES = 190  # 170 until the beam-search section
-MAX_PROSE_WORDS = 950  # 900 until the beam-search section; words outside tables, headings and the generated file lines
+MAX_LINES = 150  # a page read in a minute
+MAX_PROSE_WORDS = 1000  # words outside tables, headings and the generated file lines
 COLUMNS = (  # (figure, header, digits) of a `python -m bench run` result's table, in this order
     ("tokens_per_s", "tok/s", 1), ("acceptance_rate", "acceptance", 2), ("alpha", "alpha", 2),
     ("mean_acceptance_length", "tokens/pass", 2), ("mean_k_offered", "mean K", 2), ("occupancy", "occupancy", 2),
@@ -98,13 +98,16 @@ def smoke_line(pattern: str) -> str:
 
 
 def glance_table(rows: list[dict]) -> list[str]:
-    """One paired ratio per row: the median over repeats of variant / against, from one result file."""
+    """One paired ratio per row: the median over repeats of variant / against, from one result file (of a
+    time, `invert`: against / variant, so that above 1 is faster)."""
     out = ["| what | ratio | per repeat | machine | from |", "|---|---|---|---|---|"]
     for g in rows:
         r = record.read(ROOT / g["file"])
         by_name = {v["name"]: v for v in r["variants"]}
         variant, against = by_name[g["variant"]], by_name[g.get("against") or by_name[g["variant"]]["baseline"]]
-        ratio = paired_ratio(variant["runs"], against["runs"], g.get("key", "tokens_per_s"))
+        key = g.get("key", "tokens_per_s")
+        ratio = (paired_ratio(against["runs"], variant["runs"], key) if g.get("invert")
+                 else paired_ratio(variant["runs"], against["runs"], key))
         m = r["machine"]
         machine = m["gpu"] if m.get("gpu") else f"{m.get('cores', '?')}-core CPU"
         out.append(f"| {g['what']} | **{fmt(ratio['median'], 2)}x** | {', '.join(fmt(x, 2) for x in ratio['per_repeat'])} "
@@ -129,6 +132,8 @@ def render(manifest: dict) -> str:
               ("alpha", "alpha"), ("mean_acceptance_length", "tokens/pass"), ("ratio", "ratios"))]
     for section in ("CPU", "GPU"):
         lines += ["", f"## {section}"]
+        if page.get(f"{section.lower()}_notes"):
+            lines += ["", page[f"{section.lower()}_notes"].strip()]
         entries = [t for t in manifest.get("table", []) if t["section"] == section]
         if not entries:
             lines += ["", page[f"no_{section.lower()}"].strip()]

@@ -184,14 +184,15 @@ def test_bound_tolerance_is_not_a_loophole():
 
 
 def test_float32_acceptance_rate_is_accepted():
-    """raysd's alpha is a float32 sum of min(p, q) over the vocabulary; for q == p it may exceed
-    1 by rounding (up to 2.4e-5 measured at V = 151,936). The theory takes it as alpha = 1."""
+    """raysd's alpha is a float32 sum of min(target_probs, draft_probs) over the vocabulary; where the
+    two are equal it may exceed 1 by rounding, within BOUND_TOL at a 151,936-token vocabulary. The
+    theory takes it as alpha = 1."""
     import torch
 
     from raysd.core.rejection import draft_target_overlap
 
-    p = torch.softmax(torch.randn(4, 3, 151_936, generator=torch.Generator().manual_seed(0)) * 3, -1)
-    alpha = float(draft_target_overlap(p[:, :2], p).max())
+    target_probs = torch.softmax(torch.randn(4, 3, 151_936, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    alpha = float(draft_target_overlap(target_probs[:, :2], target_probs).max())
     assert 1.0 <= alpha <= 1.0 + th.BOUND_TOL
     assert th.expected_tokens_per_step(alpha, 4) == 5.0
 
