@@ -148,6 +148,9 @@ class SpecCoordinator:
             self.transport.open()
         except RECOVERABLE:  # an actor died as it started: the loop's recovery sets the transport up again
             self.transport.reset()
+        except BaseException:  # the step graph cannot start: release the actors and their placement group
+            self.shutdown()
+            raise
 
     @property
     def target(self):
@@ -243,6 +246,7 @@ class SpecCoordinator:
         slots = cfg.micro_batch_size * num_micro_batches
         in_flight: deque[tuple[Pending, _MicroBatch]] = deque()  # steps submitted, oldest first
         failures = 0  # in a row, with no step completed in between
+        rung_before = self.transport.rung_calls
         mark = time.perf_counter()  # the loop's time until then is counted
         while True:
             now = time.perf_counter()
@@ -276,7 +280,7 @@ class SpecCoordinator:
             if self.on_step is not None:
                 self.on_step(timings, verdict, sum(len(m.rows) for m in mbs))
         stats.engine_loop_s += time.perf_counter() - mark
-        stats.rung_calls = self.transport.rung_calls
+        stats.rung_calls += self.transport.rung_calls - rung_before
 
     def _admit(self, mb: _MicroBatch, waiting: deque, mbs: list[_MicroBatch], stats: LoopStats,
                enqueued: dict[int, float]) -> None:

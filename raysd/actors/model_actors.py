@@ -1,7 +1,7 @@
 """What runs inside a replica's model actors: the workers (as vLLM's Worker inside its Ray wrapper).
 
 - `TargetWorker` holds the target model and one TargetSide per micro-batch. In a colocated replica
-  (raysd.actors.wire.ReplicaShape) it holds the drafter too, a draft model included, with one
+  (raysd.actors.settings.replica_shape) it holds the drafter too, a draft model included, with one
   DraftSide beside each TargetSide, and runs the engine's own step with both
   (raysd.engine.step.speculative_step), as the single-process engine does.
 - In a split replica, `DraftWorker` holds the draft model and one DraftSide per micro-batch and runs

@@ -54,13 +54,13 @@ def encode_proposal(proposal: Proposal, encoding: ProbsEncoding = "auto") -> Wir
         raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     ids, num, probs = proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs
     B, K, V = probs.shape
-    drafted = torch.arange(K, device=probs.device)[None, :] < num[:, None]  # [B, K]
     wire_ids = ids.to(torch.int32).cpu().numpy()
     wire_num = num.to(torch.int32).cpu().numpy()
     if proposal.one_hot and encoding != "dense" and K:
         # A 1 at each drafted token, 0 past a row's drafts: the ids and counts carry it, and the
         # [B, K, V] tensor is never read (the general path below reads it twice).
         return WireProposal(wire_ids, wire_num, V)
+    drafted = torch.arange(K, device=probs.device)[None, :] < num[:, None]  # [B, K]
     probs = torch.where(drafted[..., None], probs, 0.0)  # [B, K, V]
     M = int((probs > 0).sum(dim=-1).max()) if probs.numel() else 0  # most nonzeros at any position
     sparse_smaller = M * 8 < V * 4  # int32 index + float32 value per kept entry

@@ -22,7 +22,7 @@ class StreamedResult:
 
 
 class _Deliveries(dict):
-    """`_finish_step` writes `results[i] = result`; for a stream that hands the result over at once."""
+    """`SpecCoordinator._take` writes `results[i] = result`; for a stream that hands the result over at once."""
 
     def __init__(self, stream: "RequestStream"):
         super().__init__()
@@ -65,7 +65,6 @@ class RequestStream:
         self._next = 0
         self._closed = False
         self._error: BaseException | None = None
-        self._started = time.perf_counter()
         if not coordinator._serving.acquire(blocking=False):
             raise RuntimeError("stream: this coordinator is already running a loop (a stream or a generate call)")
         self._thread = threading.Thread(target=self._run, name="raysd-request-stream", daemon=True)

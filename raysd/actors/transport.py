@@ -81,6 +81,7 @@ class Transport:
         self.transfer = TransferStats()  # bytes crossing between this process and the actors
         self._tickets = 0
         self._pacer = _ReadPacer()
+        self.rung_calls = 0  # calls this process slept through until the target rang (raysd.actors.turns)
 
     @property
     def colocated(self) -> bool:
@@ -104,7 +105,7 @@ class Transport:
         read (a channel left unread fills up); the first failure among them is raised."""
         limit = self.config.step_timeout_s
         deadline = None if limit is None else pending.submitted_at + limit
-        self._wait(pending, deadline)
+        self.rung_calls += self._wait(pending, deadline)
         refs = pending.ref if isinstance(pending.ref, list) else [pending.ref]
         outputs, error = [], None
         for ref in refs:
@@ -152,11 +153,6 @@ class Transport:
             out.proposal, out.dense_equivalent, out.sparse_steps = sent.proposal, sent.dense_equivalent, sent.sparse_steps
         return out
 
-    @property
-    def rung_calls(self) -> int:
-        """Calls this process slept through until the target rang (raysd.actors.turns)."""
-        return self._pacer.rung
-
     def _dress(self, target_call: StepCall, draft_call: StepCall | None) -> tuple[StepCall, StepCall | None]:
         """The calls with what this transport adds: the ticket (and where to ring, `GraphTransport`)."""
         target_call = dataclasses.replace(target_call, ticket=self._tickets)
@@ -167,8 +163,10 @@ class Transport:
     def _execute(self, target_call: StepCall, draft_call: StepCall | None):
         raise NotImplementedError
 
-    def _wait(self, pending: Pending, deadline: float | None) -> None:
-        """Until the call is about to end (a transport that can sleep through it does)."""
+    def _wait(self, pending: Pending, deadline: float | None) -> bool:
+        """Until the call is about to end (a transport that can sleep through it does); whether
+        the target rang."""
+        return False
 
     def _get(self, ref, deadline: float | None):
         raise NotImplementedError
@@ -330,8 +328,8 @@ class GraphTransport(Transport):
         graph = self._step_graph()
         return graph.execute(target_call) if draft_call is None else graph.execute(draft_call, target_call)
 
-    def _wait(self, pending: Pending, deadline: float | None) -> None:
-        self._pacer.wait(pending, self.caller_doorbell, deadline)
+    def _wait(self, pending: Pending, deadline: float | None) -> bool:
+        return self._pacer.wait(pending, self.caller_doorbell, deadline)
 
     def _get(self, ref, deadline: float | None):
         """Ray ends an unbounded read when an actor of the graph dies (its monitor tears the graph
@@ -380,16 +378,16 @@ class _ReadPacer:
         self.ready_at = 0.0  # perf_counter when the last result was read
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.RECENT)  # (target's, draft actor's) seconds per call
         self.admitting_s: float | None = None  # the last call's that admitted rows (target's + draft actor's)
-        self.rung = 0  # calls slept through until the target rang
 
-    def wait(self, pending: Pending, bell: Doorbell | None, deadline: float | None) -> None:
+    def wait(self, pending: Pending, bell: Doorbell | None, deadline: float | None) -> bool:
+        """Until the call is about to end; whether the target rang."""
         if bell is None:
             self.nap(pending.submitted_at)
-            return
+            return False
         timeout = self.bell_timeout_s(pending.admitted)
         if deadline is not None:
             timeout = max(0.0, min(timeout, deadline - time.perf_counter()))
-        self.rung += bell.wait_for(pending.ticket, timeout)
+        return bell.wait_for(pending.ticket, timeout)
 
     def bell_timeout_s(self, admitted: bool) -> float:
         if admitted:

@@ -140,7 +140,7 @@ class StepCall:
     # The steps the micro-batch's last call ran, with its verdict or without (the micro-batch emptied
     # and starts afresh): a plain run's end (Proposed.steps). 0: none, or unknown after a recovery.
     last_steps: int = 0
-    # The draft actor lends the target its CPU threads for the call (SpecCoordinator.lend_threads).
+    # The draft actor lends the target its CPU threads for the call (GraphTransport.lend_threads).
     lend_threads: bool = False
     # The coordinator's doorbell on the target's node, and this call's ticket: the target (rank 0)
     # rings it when the call ends, and the coordinator sleeps until then (raysd.actors.turns).

@@ -32,7 +32,8 @@ class SpecDecodeStats:
     `mean_acceptance_length` is the levels advanced per pass; `num_beam_nodes_selected` counts the
     nodes that lay on a beam the replay selected (0 outside beam search).
 
-    Counted by `BatchStats.observe`, the one place statistics are counted.
+    Counted by `BatchStats.observe`, but for `num_beam_nodes_selected`, which the beam search counts
+    per prompt (raysd.engine.beam).
     """
 
     num_speculative_tokens: int  # K: sets the lengths of the two per-position lists

@@ -194,7 +194,7 @@ class BeamSearchEngine:
         order: list[int] = []
         new_tokens: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
-        kept = fill_holes(alive) if not all(alive) else list(range(len(self.prompts)))
+        kept = fill_holes(alive)
         for slot, b in enumerate(kept):
             prompt = self.prompts[b]
             block = list(range(b * W, (b + 1) * W))

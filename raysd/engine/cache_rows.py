@@ -21,6 +21,8 @@ import torch
 from raysd.core.device import host_to_device, padded_rows
 from raysd.models.runner import Runner
 
+CATCH_UP_WIDTHS = (4, 16)  # catch_up's forward widths: `short`, `piece` (raysd.engine.graphs captures both)
+
 
 class CacheRows:
     def __init__(self, runner: Runner):
@@ -116,7 +118,7 @@ class CacheRows:
         if extra.shape[1]:
             self._spec.append((extra, extra_counts, host_counts))
 
-    def catch_up(self, keep: int, piece: int = 16, short: int = 4) -> None:
+    def catch_up(self, keep: int, piece: int = CATCH_UP_WIDTHS[1], short: int = CATCH_UP_WIDTHS[0]) -> None:
         """Feed each row's pending tokens but its last `keep` (a drafter's rows after plain steps,
         whose tokens it was not fed), in forwards of `short` columns when every row's fit, else of
         `piece` columns each (the tokens right-aligned over the pieces, the first piece left-padded):

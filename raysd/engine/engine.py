@@ -122,7 +122,7 @@ class SpecEngine:
         self.target.add(items)
         self.draft.add(items)
         self.timings.prefill_s += time.perf_counter() - t0
-        self.timings.add_counts(self.target.graph_counts().minus(before[0]))  # a compiled runner's prefill compiles
+        self.timings.add_counts(self.target.graph_counts().minus(before[0]))  # a drafter's admission forwards, if any
         self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
 
     def step(self) -> Verdict:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from raysd.core.sampling import SamplingTensors
+from raysd.engine.cache_rows import CATCH_UP_WIDTHS
 from raysd.engine.drafters import PENDING, DraftModelDrafter, Drafter, NoDrafter, Proposal
 from raysd.models.cuda_graphs import attend_bucket, attend_buckets, row_buckets
 from raysd.models.static_runner import StaticRunner
@@ -30,9 +31,6 @@ from raysd.models.static_runner import StaticRunner
 if TYPE_CHECKING:
     from raysd.engine.step import DraftSide
     from raysd.engine.target import TargetSide
-
-CATCH_UP = (4, 16)  # CacheRows.catch_up's forward widths
-
 
 @dataclass(frozen=True)
 class CapturePlan:
@@ -109,7 +107,7 @@ def _capture_drafts(drafter: Drafter, plan: CapturePlan, sampling: SamplingTenso
         inputs = drafter.draft_inputs(k, sampling, torch.zeros(rows, k, device=runner.device))
         _capture_all(runner, plan, *drafter.program(k, sampling), inputs, PENDING + k - 1)
     if plan.catch_up:
-        for width in CATCH_UP:
+        for width in CATCH_UP_WIDTHS:
             chunk = torch.zeros(1, width, dtype=torch.int64, device=runner.device)
             _capture_all(runner, plan, *runner.feed_program(width), (chunk, chunk.bool(), chunk[:, 0]), width)
 

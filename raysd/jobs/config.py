@@ -288,7 +288,7 @@ class GenerateConfig:
     @property
     def actor_cpus(self) -> tuple[float, float]:
         """(target, draft) CPUs of a replica's models. A colocated replica's one actor asks for both
-        (raysd.actors.coordinator.target_resources); a model-free drafter's sliver is never placed,
+        (raysd.actors.launch.target_resources); a model-free drafter's sliver is never placed,
         so the target's CPUs are the replica's. `auto` left unresolved (an existing cluster, whose
         nodes this job does not own) is 1 per model."""
         cpus = 1.0 if self.num_cpus_per_actor is None else self.num_cpus_per_actor

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from raysd.core.stats import SpecDecodeStats
 from raysd.engine.verdict import LoopStats
-from raysd.jobs.config import GenerateConfig, one_line
+from raysd.jobs.config import EARLY_STOPPING_CHOICES, GenerateConfig, one_line
 from raysd.jobs.metrics import ReplicaMetrics
 from raysd.jobs.schema import is_int, num_samples_of
 from raysd.models.names import NGRAM, NO_DRAFT, SUFFIX
@@ -531,7 +531,7 @@ class GenerationReplica:
             if samples:
                 requests.append(Request(i, ids, params))
                 wanted.append((i, samples, seed))
-        spec = BeamSpec(cfg.beam_width, cfg.length_penalty, cfg.beam_config.early_stopping, cfg.num_return_sequences,
+        spec = BeamSpec(cfg.beam_width, cfg.length_penalty, EARLY_STOPPING_CHOICES[cfg.early_stopping], cfg.num_return_sequences,
                         "none" if cfg.draft == NO_DRAFT else cfg.draft if cfg.draft in (NGRAM, SUFFIX) else "model",
                         self.num_speculative_tokens, cfg.beam_lookup_budget, cfg.batch_size)
         target = self.coordinator.target

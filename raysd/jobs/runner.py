@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
-from raysd.jobs.config import GenerateConfig, JobError
+from raysd.jobs.config import GenerateConfig, JobError, one_line
 from raysd.jobs.io import IO_TASK_CPUS, InputSource, OutputStore, in_process, input_identity, open_input
 from raysd.jobs.schema import output_schema, passthrough_fields, reserved_clashes
 
@@ -221,7 +221,7 @@ def _init_ray(cfg: GenerateConfig, gpus: dict) -> bool:
             with _ray_logger_quiet(not cfg.verbose):
                 ray.init(address=cfg.address or os.environ["RAY_ADDRESS"], **quiet)
         except Exception as exc:  # noqa: BLE001
-            raise JobError(f"cannot connect to Ray at {cfg.address or os.environ['RAY_ADDRESS']!r}: {str(exc).splitlines()[0]}") from None
+            raise JobError(f"cannot connect to Ray at {cfg.address or os.environ['RAY_ADDRESS']!r}: {one_line(exc)}") from None
         return True
     # Model actors ask for whole CPUs; a small machine still runs every replica (logical resources).
     # One logical CPU more than the model actors' placement groups can take, as a margin for Ray
@@ -557,7 +557,7 @@ def _with_eos_ids(cfg: GenerateConfig) -> GenerateConfig:
     try:
         return with_eos_ids(cfg)
     except Exception as exc:  # noqa: BLE001 - a target whose config cannot be read: one line, before Ray
-        raise JobError(f"cannot read the target's EOS ids from {cfg.target!r}: {str(exc).splitlines()[0]}") from None
+        raise JobError(f"cannot read the target's EOS ids from {cfg.target!r}: {one_line(exc)}") from None
 
 
 def _mark_pipeline(clock: WallClock, live: dict) -> None:

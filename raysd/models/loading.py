@@ -293,9 +293,14 @@ def max_model_len(model) -> int:
 
 
 def eos_token_ids(model) -> tuple[int, ...]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
+    return _eos_ids(model.generation_config, model.config)
+
+
+def _eos_ids(generation_config, config) -> tuple[int, ...]:
+    """The generation config's EOS ids, else the model config's."""
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
+        eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
@@ -317,12 +322,7 @@ def config_eos_token_ids(name: str, trust_remote_code: bool = False) -> tuple[in
             pass
     if generation is None:
         generation = GenerationConfig.from_model_config(config)
-    eos = getattr(generation, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return _eos_ids(generation, config)
 
 
 def output_vocab_size(model) -> int:
