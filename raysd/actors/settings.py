@@ -20,7 +20,7 @@ MAX_ACTOR_RESTARTS = 3  # Ray restarts a dead model actor this many times
 #   the target's device); one call for several steps, nothing to exchange.
 # - "split": a draft actor of its own (each model on a device of its own), which drafts one
 #   micro-batch while the target verifies another, the proposals exchanged over the step graph.
-# "auto": colocated unless each model has a GPU of its own (`replica_shape`).
+# "auto": colocated unless each model has a GPU of its own, or the target is tensor-parallel (`replica_shape`).
 REPLICA_SHAPES = ("auto", "colocated", "split")
 
 

@@ -129,7 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "SPREAD or STRICT_SPREAD (over nodes)")
     r.add_argument("--replica-shape", default="auto", choices=REPLICA_SHAPES,
                    help="where a replica's draft model runs: auto (in the target's actor when they share a device, "
-                        "in an actor of its own when each has a GPU), colocated or split (default: auto)")
+                        "in an actor of its own when each has a GPU or the target is tensor-parallel), colocated or split "
+                        "(default: auto)")
     r.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=PLACEMENT_TIMEOUT_S,
                    metavar="SECONDS", help="a replica whose model actors cannot be placed in this time retires and "
                    f"its rows go to the others (default: {PLACEMENT_TIMEOUT_S:g})")

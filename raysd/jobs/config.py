@@ -111,7 +111,8 @@ class GenerateConfig:
     num_cpus_per_actor: float | None = None  # None: auto (resolve_actor_cpus; 1 on an existing cluster)
     placement_strategy: str = "STRICT_PACK"  # a replica's draft and target: one node; SPREAD: over nodes
     # Where a replica's drafter runs (raysd.actors.settings.REPLICA_SHAPES): "auto" puts a draft model in
-    # the target's actor unless each has a GPU of its own; "colocated" or "split" insist (for studies).
+    # the target's actor unless each has a GPU of its own or the target is tensor-parallel; "colocated"
+    # or "split" insist (for studies).
     replica_shape: str = "auto"
     # A replica whose model actors cannot be placed within this many seconds retires: its rows go
     # to the replicas left (docs/reliability.md, "Waits and limits").
