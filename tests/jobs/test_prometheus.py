@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from raysd.actors.model_actors import SLOW_STEPS_ENV
 from raysd.jobs import GenerateConfig, generate
 from raysd.jobs.metrics import STAGE_SECONDS
 from tests.conftest import fresh_cache_dir, own_ray
@@ -36,6 +37,10 @@ pytestmark = [
 # What the processes recorded reaches Ray's metrics agent this often (Ray's default: 10 s; its floor: 1 s).
 REPORT_S = 1
 SCRAPE_S = 1
+# The load gauges hold a step's value until the next: a job that generates in under a report
+# interval (a fast machine) may show only its final 0. The target's first steps each sleep, so
+# rows are in flight over several reports and scrapes on any machine (the actors' test hook).
+SLOW_STEPS = "16:0.3"
 
 
 def free_port() -> int:
@@ -112,8 +117,9 @@ def scraped_ray(tmp_path_factory):
     scraping it."""
     import ray
 
-    old_cache = os.environ.get("RAYSD_CACHE_DIR")
+    saved = {name: os.environ.get(name) for name in ("RAYSD_CACHE_DIR", SLOW_STEPS_ENV)}
     os.environ["RAYSD_CACHE_DIR"] = str(fresh_cache_dir(tmp_path_factory.mktemp("raysd-cache")))
+    os.environ[SLOW_STEPS_ENV] = SLOW_STEPS  # the processes Ray starts inherit it
     port = free_port()
     own_ray(num_cpus=6, _metrics_export_port=port, _system_config={"metrics_report_interval_ms": REPORT_S * 1000})
     prometheus = None
@@ -125,10 +131,11 @@ def scraped_ray(tmp_path_factory):
         if prometheus is not None:
             prometheus.stop()
         ray.shutdown()
-        if old_cache is None:
-            os.environ.pop("RAYSD_CACHE_DIR", None)
-        else:
-            os.environ["RAYSD_CACHE_DIR"] = old_cache
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def test_series_add_up_to_the_summary(tmp_path, model_dirs, scraped_ray):
