@@ -163,9 +163,11 @@ class SpecCoordinator:
 
     @property
     def admission(self) -> Admission:
-        """Which requests may run, under the current config (read at each micro-batch's start)."""
+        """Which requests may run, under the current config (read at each micro-batch's start), with
+        the target's device crossover for -k auto's learned costs (SpeculationConfig.with_crossover)."""
         limits = [self.target_info.max_model_len, self.draft_info.max_model_len]
-        return Admission.of(self.config.speculation, self.target_info.vocab_size, limits, self.can_decode)
+        spec = self.config.speculation.with_crossover(self.target_info.crossover_tokens)
+        return Admission.of(spec, self.target_info.vocab_size, limits, self.can_decode)
 
     @property
     def max_model_len(self) -> int:

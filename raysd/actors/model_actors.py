@@ -53,7 +53,7 @@ from raysd.models.eagle_draft import EagleDraft
 from raysd.models.features import EagleCausalLM
 from raysd.models.loading import eos_token_ids, max_model_len, model_dtype, output_vocab_size
 from raysd.models.names import TensorParallel
-from raysd.models.profile import time_forward, time_forward_upto
+from raysd.models.profile import crossover_tokens, time_forward, time_forward_upto
 from raysd.models.static_runner import supports_static
 from raysd.models.tensor_parallel import default_backend, free_address, init_group, shard_model
 
@@ -385,6 +385,9 @@ class TargetWorker:
         self.model = shard_model(model, tensor_parallel.rank, tensor_parallel.world_size).to(self.device).eval()
         self.runner = runner
         self.vocab_size = output_vocab_size(self.model)
+        # Where a forward turns compute-bound on this GPU (None on a CPU), for -k auto's learned costs:
+        # measured once, by the rank that reports, and sent to every planner in the steps' spec.
+        self.crossover_tokens = crossover_tokens(self.model) if tensor_parallel.rank == 0 else None
         self.colocated = drafter is not None
         self.drafter_spec = drafter
         # A colocated draft model lives here, on the target's device, beside the target's weights.
@@ -437,7 +440,8 @@ class TargetWorker:
         return ActorInfo(os.getpid(), str(self.device), self.vocab_size, max_model_len(self.model), supports_trees=trees,
                          gpu=assigned_gpu(), dtype=model_dtype(self.model), node=current_node(),
                          tensor_parallel=self.tensor_parallel, eos_token_ids=eos_token_ids(self.model),
-                         doorbell=None if self.doorbell is None else self.doorbell.address, drafter=colocated)
+                         doorbell=None if self.doorbell is None else self.doorbell.address, drafter=colocated,
+                         crossover_tokens=self.crossover_tokens)
 
     def beam_search(self, requests: Sequence, spec: BeamSpec, eos_token_ids: tuple[int, ...]) -> list[list]:
         """A beam job's requests: each one's best `num_return_sequences` hypotheses, best first (raysd.

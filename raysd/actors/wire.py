@@ -174,6 +174,7 @@ class ActorInfo:
     lends_threads: bool = False  # a draft actor that can lend its CPU threads to the target (raysd.actors.turns)
     doorbell: str | None = None  # a target actor's on the CPU, where a lending draft wakes it (StepCall.proposal_doorbell)
     drafter: "ActorInfo | None" = None  # a target actor's: the drafter it runs itself (a colocated replica)
+    crossover_tokens: float | None = None  # a target actor's on a GPU: tokens per forward past which it is compute-bound
 
 
 def pickled_nbytes(obj) -> int:

@@ -12,6 +12,7 @@ suffix drafter (raysd.engine.suffix).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -141,6 +142,11 @@ class AdaptiveConfig:
         if self.crossover_tokens is not None and self.crossover_tokens <= 0:
             raise ValueError(f"crossover_tokens must be > 0, got {self.crossover_tokens}")
 
+    @property
+    def wants_crossover(self) -> bool:
+        """Costs learned with no crossover given: the device's own is worth measuring."""
+        return self.costs is None and self.crossover_tokens is None
+
 
 @dataclass(frozen=True)
 class SpeculationConfig:
@@ -177,6 +183,14 @@ class SpeculationConfig:
     @property
     def lossy(self) -> bool:
         return not self.acceptance.exact
+
+    def with_crossover(self, crossover_tokens: float | None) -> SpeculationConfig:
+        """This config with the device's crossover (raysd.models.profile.crossover_tokens) given to
+        -k auto's learned costs, where it has none; unchanged otherwise (fixed K, measured costs, a
+        crossover given, or None: a CPU)."""
+        if self.adaptive is None or not self.adaptive.wants_crossover or crossover_tokens is None:
+            return self
+        return dataclasses.replace(self, adaptive=dataclasses.replace(self.adaptive, crossover_tokens=crossover_tokens))
 
 
 @dataclass(frozen=True)

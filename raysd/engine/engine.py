@@ -3,7 +3,6 @@ over one target and one drafter. The Ray actors run the same step (raysd.actors)
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,10 +88,10 @@ class SpecEngine:
         if spec.tree_budget and (error := tree_support_error(drafter, self.target)):
             raise ValueError(error)
         self.draft = DraftSide(drafter, self.admission.spec, self.target.device)
-        adaptive = spec.adaptive
-        if adaptive is not None and adaptive.costs is None and adaptive.crossover_tokens is None:
+        if spec.adaptive is not None and spec.adaptive.wants_crossover:
             # learned costs know where the device's verify turns compute-bound (None on a CPU)
-            adaptive = dataclasses.replace(adaptive, crossover_tokens=crossover_tokens(target))
+            spec = spec.with_crossover(crossover_tokens(target))
+        adaptive = spec.adaptive
         controller = None if adaptive is None else KController(adaptive, spec.tree_budget, spec.num_speculative_tokens)
         self.hook = StepHook(self.admission.spec, controller)
 

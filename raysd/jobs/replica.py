@@ -519,13 +519,17 @@ class GenerationReplica:
         tokenize_s = 0.0
         for i, row in enumerate(rows):
             params, seed, error = row_params(row, cfg)
+            kind = "params"  # what an error row is (raysd.jobs.metrics.ERROR_KINDS)
             samples = _samples_to_do(row, cfg.samples_per_prompt)
             ids = None
             if error is None and samples:
                 ids, error, seconds = self._tokenize(row)
                 tokenize_s += seconds
+                kind = "prompt"
             if error is not None:
                 outputs[i] = [self._error_row(ids, error, seed, j) for j in samples]
+                for out in outputs[i]:
+                    self.metrics.observe_row(out, kind)
                 self.live.add_errors(len(samples))
                 continue
             if samples:
@@ -546,6 +550,8 @@ class GenerationReplica:
                 outputs[i].append(self._row(h.prompt_token_ids, h.token_ids, h.finish_reason, h.stats, h.error, seed,
                                             latency, j, h))
             detokenize_s += time.perf_counter() - t
+            for out in outputs[i]:
+                self.metrics.observe_row(out, "refused")  # an error row here: refused by the search
             self.live.add_rows(outputs[i])
         report = self._report()
         report.tokenize_s, report.detokenize_s = tokenize_s, detokenize_s

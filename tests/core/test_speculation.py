@@ -39,3 +39,16 @@ def test_speculation_config_checks_everything_once():
         assert "\n" not in str(info.value), kwargs
     SpeculationConfig(num_speculative_tokens=4, tree_budget=4, adaptive=AdaptiveConfig(costs))  # costs reach P + 1
     SpeculationConfig(adaptive=AdaptiveConfig())  # costs measured later (a job's -k auto)
+
+
+def test_the_devices_crossover_goes_to_learned_costs_only():
+    """-k auto with learned costs takes the device's crossover; fixed K, measured costs, a
+    crossover already given and no crossover (a CPU) leave the config as it is."""
+    learned = SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig())
+    assert learned.with_crossover(300.0).adaptive == AdaptiveConfig(crossover_tokens=300.0)
+    assert learned.with_crossover(None) is learned
+    given = SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig(crossover_tokens=50.0))
+    measured = SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig(StepCosts((1,), ((1.0,) * 5,), (0.1,))))
+    fixed = SpeculationConfig(num_speculative_tokens=4)
+    for spec in (given, measured, fixed):
+        assert spec.with_crossover(300.0) is spec

@@ -225,3 +225,25 @@ def test_series_add_up_to_the_summary(tmp_path, model_dirs, scraped_ray):
             expr = expr.replace(name, value)
         answered[(title, t["refId"])] = prom.query(expr)
     assert answered[("Throughput", "B")] and answered[("Acceptance rate", "A")], answered
+
+
+def test_a_beam_jobs_rows_are_counted(tmp_path, model_dirs, scraped_ray):
+    """A beam job's rows (each prompt's hypotheses, and its error rows) reach the same counters as
+    a sampled job's. Its draft label ("none") keeps its series apart from the test above."""
+    prom = scraped_ray
+    target, _ = model_dirs
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(token_prompts(4, seed=5))] + [{"id": 9, "prompt": None}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = GenerateConfig(input=str(inp), output=str(tmp_path / "out"), target=target, draft="none", beam_width=2,
+                         num_return_sequences=2, max_new_tokens=8, batch_size=4, quiet=True)
+    summary = generate(cfg)
+    assert summary.rows == 2 * len(rows) and summary.rows_failed == 2  # the null prompt: an error row per hypothesis
+    where = '{draft_model="none"}'
+
+    def counted():
+        return (prom.value(f"sum(ray_raysd_rows_total{where})"), prom.value(f"sum(ray_raysd_generated_tokens_total{where})"),
+                prom.by(f"sum by (kind) (ray_raysd_error_rows_total{where})", "kind"))
+
+    expected = (float(summary.rows), float(summary.generated_tokens), {"prompt": 2.0})
+    wait_for(lambda: counted() == expected, 90, "the beam job's rows in Prometheus")

@@ -1,0 +1,37 @@
+"""-k auto through the actors knows where the target's device turns compute-bound, as the engine
+does: the target actor measures its crossover (raysd.models.profile.crossover_tokens; None on a
+CPU), the coordinator puts it in the spec every micro-batch starts with, and every planner (the
+draft actor's, a colocated target's, each tensor-parallel rank's) learns its costs with it."""
+
+from __future__ import annotations
+
+from raysd.actors.coordinator import SpecCoordinator
+from raysd.actors.model_actors import _Planner
+from raysd.actors.settings import CoordinatorConfig
+from raysd.actors.wire import ActorInfo
+from raysd.core.speculation import AdaptiveConfig, SpeculationConfig
+
+
+def _admission(speculation: SpeculationConfig, crossover: float | None):
+    coordinator = object.__new__(SpecCoordinator)  # the property reads the config and the actors' infos only
+    coordinator.config = CoordinatorConfig(speculation)
+    coordinator.target_info = ActorInfo(1, "cuda:0", 64, 512, crossover_tokens=crossover)
+    coordinator.draft_info = ActorInfo(2, "cuda:0", 64, 512)
+    coordinator.can_decode = False
+    return coordinator.admission
+
+
+def test_the_steps_spec_carries_the_targets_crossover():
+    learned = SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig())
+    assert _admission(learned, 250.0).spec.adaptive.crossover_tokens == 250.0
+    assert _admission(learned, None).spec.adaptive.crossover_tokens is None  # a CPU
+    fixed = SpeculationConfig(num_speculative_tokens=4)
+    assert _admission(fixed, 250.0).spec.adaptive is None
+
+
+def test_a_planner_learns_its_costs_with_the_crossover_it_is_sent():
+    spec = _admission(SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig()), 250.0).spec
+    planner = _Planner()
+    hook = planner.for_spec(spec)
+    assert hook.controller.costs.crossover_tokens == 250.0
+    assert planner.for_spec(spec) is hook  # the same settings at the next micro-batch: the same controller
