@@ -462,7 +462,8 @@ class TargetWorker:
             else:
                 drafter = None
             config = BeamEngineConfig(BeamConfig(spec.num_beams, spec.length_penalty, spec.early_stopping,
-                                                 spec.num_return_sequences), spec.k, spec.max_batch_size, eos_token_ids)
+                                                 spec.num_return_sequences), spec.k, spec.max_batch_size, eos_token_ids,
+                                      spec.max_model_len)
             self._beams = (key, BeamSearchEngine(self.model, drafter, config))
         with torch.inference_mode():
             return self._beams[1].generate(requests)

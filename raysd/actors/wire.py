@@ -119,6 +119,7 @@ class BeamSpec:
     k: int = 4
     lookup_budget: int = 8
     max_batch_size: int = 8  # prompts searched together, num_beams target rows each
+    max_model_len: int | None = None  # prompt + generated tokens per row; None: the models' context
 
 
 @dataclass(frozen=True)

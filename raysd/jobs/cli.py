@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sampling (per-row columns max_new_tokens, temperature, top_p, top_k, seed, stop, "
                              "num_samples override these)")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"(default: {DEFAULT_MAX_NEW_TOKENS})")
+    s.add_argument("--max-model-len", type=int, default=None, metavar="L",
+                   help="the most tokens a row holds, prompt and generated together (as vLLM's): a longer prompt is an "
+                        "error row, a row that reaches it ends with finish_reason length (default: the models' context)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     s.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     s.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")

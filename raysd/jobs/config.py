@@ -73,6 +73,9 @@ class GenerateConfig:
     tree_budget: int = 0  # P > 0: a draft tree of at most P nodes per row per step, K deep (EngineConfig.tree_budget)
     draft_assist: str = "none"  # "ngram": n-gram lookup drafts for the draft model (three levels; raysd.engine.draft_assist)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    # The most tokens a row holds, prompt and generated together (vLLM's --max-model-len): a longer
+    # prompt is an error row, a row reaching it ends with finish_reason "length". None: the models' context.
+    max_model_len: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -153,6 +156,8 @@ class GenerateConfig:
         need(k == AUTO or is_int(k), f"--num-speculative-tokens must be 'auto' or an integer, got {k!r}")
         P = self.tree_budget
         need(not P or self.draft != NO_DRAFT, "--tree-budget needs a drafter (a draft model, an EAGLE draft, ngram or suffix), not none")
+        L = self.max_model_len
+        need(L is None or (is_int(L) and L >= 2), f"--max-model-len must be an integer >= 2, got {L!r}")
         object.__setattr__(self, "speculation", self._speculation())
         need(self.draft_assist in DRAFT_ASSISTS, f"--draft-assist must be one of {', '.join(DRAFT_ASSISTS)}, got {self.draft_assist!r}")
         need(self.draft_assist == "none" or self.draft_is_model,
@@ -266,7 +271,8 @@ class GenerateConfig:
         try:
             return SpeculationConfig(num_speculative_tokens=self.effective_num_speculative_tokens,
                                      tree_budget=self.tree_budget, acceptance=self.acceptance,
-                                     eos_token_ids=self.eos_token_ids or (), adaptive=AdaptiveConfig() if auto else None)
+                                     eos_token_ids=self.eos_token_ids or (), adaptive=AdaptiveConfig() if auto else None,
+                                     max_model_len=self.max_model_len)
         except ValueError as exc:
             text = str(exc)
             for name, flag in (("num_speculative_tokens", "--num-speculative-tokens"), ("tree_budget", "--tree-budget"),
@@ -349,6 +355,8 @@ class GenerateConfig:
         # Each of the below only when not its default, so that outputs written before it existed resume.
         if self.num_samples != 1:
             fingerprint["num_samples"] = self.num_samples
+        if self.max_model_len is not None:  # a row may end sooner
+            fingerprint["max_model_len"] = self.max_model_len
         if self.stop:
             fingerprint["stop"] = list(self.stop)
         if self.include_stop_str_in_output:

@@ -537,7 +537,7 @@ class GenerationReplica:
                 wanted.append((i, samples, seed))
         spec = BeamSpec(cfg.beam_width, cfg.length_penalty, EARLY_STOPPING_CHOICES[cfg.early_stopping], cfg.num_return_sequences,
                         "none" if cfg.draft == NO_DRAFT else cfg.draft if cfg.draft in (NGRAM, SUFFIX) else "model",
-                        self.num_speculative_tokens, cfg.beam_lookup_budget, cfg.batch_size)
+                        self.num_speculative_tokens, cfg.beam_lookup_budget, cfg.batch_size, cfg.max_model_len)
         target = self.coordinator.target
         start = time.perf_counter()
         searched = answer(lambda: target.beam_search.remote(requests, spec, cfg.eos_token_ids), target, "target") if requests else []

@@ -46,6 +46,7 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
     assert (default.num_samples, default.stop, default.logprobs, default.top_logprobs) == (1, (), False, 0)
     assert (default.target_dtype, default.draft_dtype, default.quiet, default.verbose) == ("auto", "auto", False, False)
     assert parse("--cuda-graphs", "--num-gpus-per-actor", "1").cuda_graphs and not default.cuda_graphs
+    assert parse("--max-model-len", "40").speculation.max_model_len == 40 and default.speculation.max_model_len is None
     bad = {
         ("-n", "0"): "--num-samples must be an integer in 1..1024, got 0",
         ("--stop", ""): "--stop must be a non-empty string, got ''",
@@ -54,6 +55,7 @@ def test_every_new_flag_parses_and_bad_values_are_one_line_errors():
         ("--draft-dtype", "fp8"): "--draft-dtype must be one of auto, float32, bfloat16, float16, got 'fp8'",
         ("--cuda-graphs",): "--cuda-graphs replays CUDA graphs: it needs GPUs (--num-gpus-per-actor > 0)",
         ("--compile", "--num-gpus-per-actor", "1"): "--compile compiles the forwards that --cuda-graphs captures: it needs --cuda-graphs",
+        ("--max-model-len", "1"): "--max-model-len must be an integer >= 2, got 1",
     }
     for argv, message in bad.items():
         with pytest.raises(JobError) as err:
@@ -120,10 +122,10 @@ def test_fingerprint_adds_new_keys_only_when_not_default():
     assert plain["target_dtype"] == plain["draft_dtype"] == "float32"
     assert GenerateConfig(input="x", output="y", num_gpus_per_actor=1).fingerprint()["target_dtype"] == "auto"
     full = GenerateConfig(input="x", output="y", num_samples=2, stop=("a",), include_stop_str_in_output=True,
-                          top_logprobs=1).fingerprint()
+                          top_logprobs=1, max_model_len=40).fingerprint()
     assert {k: full[k] for k in set(full) - old_keys} == {
         "num_samples": 2, "stop": ["a"], "include_stop_str_in_output": True, "logprobs": True, "top_logprobs": 1,
-        "logprobs_mode": "raw"}
+        "logprobs_mode": "raw", "max_model_len": 40}
 
 
 def test_row_overrides_and_sample_seeds():
@@ -332,3 +334,48 @@ def test_samples_stop_strings_logprobs_and_per_row_overrides(tmp_path, target_wi
     resumed = {(r["id"], r["sample_index"]): r for r in _read(out)}
     assert len(_read(out)) == 10 and sorted(resumed) == sorted(got)
     assert all(resumed[k]["generated_token_ids"] == got[k]["generated_token_ids"] for k in lost)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beams", [0, 2])
+def test_max_model_len_bounds_every_row(beams, tmp_path, model_dirs, local_ray):
+    """--max-model-len L: a prompt of L tokens or more is an error row, and no row holds more than
+    L tokens. Sampled rows: a row the bound cut ends with "length", its tokens the first ones of its
+    run without the bound, and the others are that run's rows. Beam rows: the target's own beam
+    search under the same bound (the bound changes which hypotheses win)."""
+    from raysd.core.beam import BeamConfig
+    from raysd.engine.beam import BeamEngineConfig, BeamSearchEngine
+
+    target, draft = model_dirs
+    prompts = token_prompts(6, seed=13)
+    L = max(len(p) for p in prompts) + 4
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(prompts)] + [{"id": 99, "prompt": [5] * L}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {}
+    for bound in ((L,) if beams else (None, L)):
+        out = tmp_path / f"out-{bound}"
+        cfg = GenerateConfig(input=str(inp), output=str(out), target=target, draft=draft, num_speculative_tokens=2,
+                             max_new_tokens=12, max_model_len=bound, beam_width=beams, batch_size=4, quiet=True)
+        generate(cfg)
+        runs[bound] = {r["id"]: r for r in _read(out)}
+    got = runs[L]
+    assert got[99]["finish_reason"] == "error" and "context is" in got[99]["error"]
+    assert all(r["num_prompt_tokens"] + r["num_generated_tokens"] <= L for r in got.values())
+    if beams:
+        engine = BeamSearchEngine(tiny_model("llama", seed=0), None,
+                                  BeamEngineConfig(BeamConfig(beams), eos_token_ids=(EOS,), max_model_len=L))
+        expected = engine.generate([Request(i, p, SamplingParams(max_new_tokens=12)) for i, p in enumerate(prompts)])
+        assert [got[i]["generated_token_ids"] for i in range(len(prompts))] == [h[0].token_ids for h in expected]
+        assert any(got[i]["finish_reason"] == "length" and got[i]["num_prompt_tokens"] + got[i]["num_generated_tokens"] == L
+                   for i in range(len(prompts)))
+        return
+    cut = 0
+    for i in range(len(prompts)):
+        free, room = runs[None][i]["generated_token_ids"], L - got[i]["num_prompt_tokens"]
+        if len(free) > room:
+            cut += 1
+            assert got[i]["finish_reason"] == "length" and got[i]["generated_token_ids"] == free[:room]
+        else:
+            assert got[i]["generated_token_ids"] == free and got[i]["finish_reason"] == runs[None][i]["finish_reason"]
+    assert cut >= 1  # the bound cut some row
