@@ -72,7 +72,8 @@ def request_error(request: Request, vocab_size: int, max_model_len: int, can_dec
     if request.params.stop and not can_decode:
         return "stop strings need the target's tokenizer, and this engine has none"
     if len(prompt) >= max_model_len:
-        return f"prompt has {len(prompt)} tokens; the model's context is {max_model_len}"
+        # the smallest of the models' contexts and the job's max_model_len (Admission.of)
+        return f"prompt has {len(prompt)} tokens; the context is {max_model_len} (the models', or max_model_len)"
     return None
 
 

@@ -360,7 +360,7 @@ def test_max_model_len_bounds_every_row(beams, tmp_path, model_dirs, local_ray):
         generate(cfg)
         runs[bound] = {r["id"]: r for r in _read(out)}
     got = runs[L]
-    assert got[99]["finish_reason"] == "error" and "context is" in got[99]["error"]
+    assert got[99]["error"] == f"prompt has {L} tokens; the context is {L} (the models', or max_model_len)"
     assert all(r["num_prompt_tokens"] + r["num_generated_tokens"] <= L for r in got.values())
     if beams:
         engine = BeamSearchEngine(tiny_model("llama", seed=0), None,
