@@ -116,6 +116,7 @@ class SpecCoordinator:
         tp = config.target_tensor_parallel
         self.config = config
         self.shape = drafter.shape_for(config.target_resources.num_gpus, config.draft_resources.num_gpus, tp)
+        self._draft_graphs = drafter.cuda_graphs  # a draft model's forwards replayed as CUDA graphs
         self.steps_completed = 0  # engine steps over the coordinator's life (for progress watchers)
         # Called on the loop's thread after each completed call, as on_step(timings, verdict, rows in
         # the micro-batches): a job's live metrics (raysd.jobs.metrics.ReplicaMetrics.on_step).
@@ -303,7 +304,8 @@ class SpecCoordinator:
         replica's draft actor gets the last verdict and the new rows. A colocated call, or a draft
         actor's plain run, runs up to max_steps_per_call steps."""
         call = StepCall(mb.mb_id, self.admission.spec if mb.fresh else None, None, tuple(mb.new),
-                        self.draft_info.feature_draft, self.config.max_steps_per_call)
+                        self.draft_info.feature_draft, self.config.max_steps_per_call,
+                        capture=self._capture_ahead() if mb.fresh else None)
         draft_call = None
         if self.draft is not None:
             draft_call = dataclasses.replace(call, verdict=None if mb.fresh else mb.last, verify_s=mb.last_verify_s,
@@ -311,6 +313,16 @@ class SpecCoordinator:
         pending = self.transport.submit(call, draft_call)
         mb.busy, mb.fresh, mb.last, mb.new = True, False, None, []
         return pending
+
+    def _capture_ahead(self) -> tuple[int, int] | None:
+        """A fresh micro-batch's StepCall.capture: where the models' steps replay CUDA graphs in one
+        actor (colocated, one rank) and the job bounds a row's tokens (max_model_len), the rows and
+        tokens that bound its programs; else None (each is captured when a step first needs it)."""
+        cfg = self.config
+        graphs = cfg.cuda_graphs or self._draft_graphs
+        if not graphs or self.shape != "colocated" or self.tensor_parallel > 1 or cfg.speculation.max_model_len is None:
+            return None
+        return cfg.micro_batch_size, self.max_model_len
 
     def _take(self, mb: _MicroBatch, verdict: Verdict, timings: StepTimings, results, stats: LoopStats) -> None:
         """A step's verdict: the rows it kept in slot order, the verdict itself (less the results)

@@ -45,6 +45,7 @@ from raysd.engine.adaptive import KController, PlainRun
 from raysd.engine.draft_assist import DraftAssistDrafter, profile_assist_costs
 from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import decoder
+from raysd.engine.graphs import capture_ahead
 from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, draft_half, settle, speculative_step
 from raysd.engine.suffix import SuffixDrafter, SuffixIndex
 from raysd.engine.target import TargetSide
@@ -553,6 +554,9 @@ class TargetWorker:
                 draft.add(call.new_rows)
                 target.add(call.new_rows)
             before = dataclasses.replace(hook.timings)
+            if call.capture is not None:  # a fresh micro-batch: its programs now, not at a step
+                for counts in capture_ahead(draft, target, target.spec, hook.controller, *call.capture):
+                    hook.timings.add_counts(counts)
             for _ in range(call.max_steps):
                 verdict = speculative_step(draft, target, hook)
                 if verdict.finished:

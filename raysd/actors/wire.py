@@ -151,10 +151,17 @@ class StepCall:
     # rings it (with `ticket`) once its proposal is ready, and the target sleeps until then
     # (`TargetActor.await_proposal`) rather than spin in the channel read beside the drafting.
     proposal_doorbell: str | None = None
+    # With `spec`, in a colocated replica replaying CUDA graphs under a job's max_model_len: (rows,
+    # tokens per row) the micro-batch's steps are bounded by, so that every program they can replay
+    # is captured before its first step (raysd.engine.graphs.capture_ahead). None: each is captured
+    # the first time a step needs it.
+    capture: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.spec is not None and self.verdict is not None:
             raise ValueError("a fresh micro-batch has no verdict to apply")
+        if self.capture is not None and self.spec is None:
+            raise ValueError("programs are captured as a micro-batch starts (with its spec)")
 
 
 @dataclass(frozen=True)

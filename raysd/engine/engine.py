@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 from raysd.core.speculation import SpeculationConfig
 from raysd.engine.adaptive import KController
 from raysd.engine.draft_assist import DraftAssistDrafter
-from raysd.engine.graphs import capture_plan, capture_steps
+from raysd.engine.graphs import capture_ahead
 from raysd.engine.drafters import Drafter
 from raysd.engine.requests import Admission, GenerationResult, Request, warn_if_lossy
 from raysd.engine.step import DraftSide, StepHook, speculative_step
@@ -137,15 +137,9 @@ class SpecEngine:
         """Capture every program the steps of up to `rows` rows of up to `max_length` tokens each can
         replay (raysd.engine.graphs), now rather than at a step, with their seconds in the timings.
         Needs the job's first rows admitted (their state and sampling give the programs' inputs)."""
-        spec = self.admission.spec
-        plan = capture_plan(self.drafter, spec.num_speculative_tokens, spec.adaptive is not None, rows,
-                            min(max_length, self.max_model_len))
-        before = self.target.graph_counts(), self.draft.graph_counts()
-        capture_steps(self.target, self.draft, plan)
-        if self.k_controller is not None:  # the chains it plans are those captured
-            self.k_controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
-        self.timings.add_counts(self.target.graph_counts().minus(before[0]))
-        self.timings.add_counts(self.draft.graph_counts().minus(before[1]))
+        for counts in capture_ahead(self.draft, self.target, self.admission.spec, self.k_controller, rows,
+                                    min(max_length, self.max_model_len)):
+            self.timings.add_counts(counts)
 
     def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
         """Generate for every request; results come back in request order. With CUDA graphs, every

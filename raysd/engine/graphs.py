@@ -29,8 +29,11 @@ from raysd.models.cuda_graphs import attend_bucket, attend_buckets, row_buckets
 from raysd.models.static_runner import StaticRunner
 
 if TYPE_CHECKING:
+    from raysd.core.speculation import SpeculationConfig
+    from raysd.engine.adaptive import KController
     from raysd.engine.step import DraftSide
     from raysd.engine.target import TargetSide
+    from raysd.models.cuda_graphs import GraphCounts
 
 @dataclass(frozen=True)
 class CapturePlan:
@@ -63,6 +66,19 @@ def capture_plan(drafter: Drafter, k: int, adaptive: bool, rows: int, max_length
 def zeros_like_rows(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
     """Zeros of each input's trailing shape and dtype, `rows` rows: what a padding row is fed."""
     return tuple(t.new_zeros(rows, *t.shape[1:]) for t in inputs)
+
+
+def capture_ahead(draft: DraftSide, target: TargetSide, spec: SpeculationConfig, controller: KController | None,
+                  rows: int, max_length: int) -> tuple[GraphCounts, GraphCounts]:
+    """Capture every program the steps of up to `rows` rows of up to `max_length` tokens each can
+    replay under `spec` (`capture_plan`, `capture_steps`), and hold `controller` to the chains
+    captured. Returns the captures' counts on each side (target, draft), for the step timings."""
+    plan = capture_plan(draft.drafter, spec.num_speculative_tokens, spec.adaptive is not None, rows, max_length)
+    before = target.graph_counts(), draft.graph_counts()
+    capture_steps(target, draft, plan)
+    if controller is not None:  # the chains it plans are those captured
+        controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
+    return target.graph_counts().minus(before[0]), draft.graph_counts().minus(before[1])
 
 
 def capture_steps(target: TargetSide, draft: DraftSide, plan: CapturePlan) -> None:

@@ -166,3 +166,56 @@ def test_compiles_happen_at_start_up_and_are_counted():
     dynamo.reset()
     assert engine.timings.compiles == len(graphs) > 0 and engine.timings.compile_s > 0
     assert per_step and not any(per_step), per_step
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_colocated_actor_captures_ahead_under_a_job_bound(temperature):
+    """A colocated replica's target actor (in process here), its micro-batch started with a capture
+    bound (StepCall.capture: a job's max_model_len), rows streaming in as slots free under `-k auto`:
+    its first call captures every program, and no later call captures a graph or runs a forward
+    eagerly. The tokens are those of the actor without graphs."""
+    import dataclasses
+    import functools
+
+    from raysd.actors.model_actors import DrafterSpec, StepCall, TargetWorker
+    from raysd.core.speculation import AdaptiveConfig
+    from raysd.engine.requests import Admission
+
+    reqs = requests(60, temperature, max_new=18, seed=2)
+    bound = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
+    spec = Admission.of(SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(),
+                                          max_model_len=bound), VOCAB, [512]).spec
+    rows = 4
+
+    def run(graphs: bool):
+        same = functools.partial(tiny_model, "llama", 0)
+        worker = TargetWorker(same, runner="static", drafter=DrafterSpec(same, runner="static"))
+        if graphs:
+            make = worker.sides.make
+
+            def graphed_sides(call):
+                draft, target = make(call)
+                graphed(target.rows.runner)
+                graphed(draft.drafter.rows.runner)
+                return draft, target
+
+            worker.sides.make = graphed_sides
+        waiting, running, results, per_call = list(enumerate(reqs)), 0, {}, []
+        call = StepCall(0, spec, None, tuple(waiting[:rows]), max_steps=8, capture=(rows, bound) if graphs else None)
+        waiting, running = waiting[rows:], rows
+        while running:
+            verdict, timings = worker.step(call)
+            per_call.append((timings.graph_captures, timings.eager_forwards))
+            results.update(verdict.finished)
+            running -= len(verdict.finished)
+            new = tuple(waiting[:len(verdict.finished)])
+            waiting, running = waiting[len(new):], running + len(new)
+            call = dataclasses.replace(StepCall(0), new_rows=new, max_steps=8)
+        return [results[i].token_ids for i in range(len(reqs))], per_call
+
+    out, per_call = run(graphs=True)
+    assert per_call[0][0] > 0 and per_call[0][1] == 0  # the first call: captures, and no eager forward
+    assert all(c == (0, 0) for c in per_call[1:]), [c for c in per_call[1:] if c != (0, 0)]
+    assert len(per_call) >= 20
+    if temperature == 0:  # sampled, K follows the learned timings, and which draws a row reads follows K
+        assert run(graphs=False)[0] == out
