@@ -387,8 +387,11 @@ class TargetWorker:
         self.runner = runner
         self.vocab_size = output_vocab_size(self.model)
         # Where a forward turns compute-bound on this GPU (None on a CPU), for -k auto's learned costs:
-        # measured once, by the rank that reports, and sent to every planner in the steps' spec.
+        # measured once, by the rank that reports, and sent to every planner in the steps' spec. Its
+        # buffers go back to the device before the caches are made.
         self.crossover_tokens = crossover_tokens(self.model) if tensor_parallel.rank == 0 else None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.colocated = drafter is not None
         self.drafter_spec = drafter
         # A colocated draft model lives here, on the target's device, beside the target's weights.

@@ -57,10 +57,10 @@ class TransportConfig:
     """The coordinator's settings a transport reads (CoordinatorConfig's, resolved)."""
 
     num_micro_batches: int
-    lend_draft_threads: bool = True
-    measure_bytes: bool = True
-    step_timeout_s: float | None = None
-    proxy_timeout_s: float = 180.0  # the compiled graph's driver-side proxy actor's start
+    lend_draft_threads: bool
+    measure_bytes: bool
+    step_timeout_s: float | None
+    proxy_timeout_s: float  # the compiled graph's driver-side proxy actor's start
 
 
 @dataclass

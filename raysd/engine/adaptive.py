@@ -422,22 +422,6 @@ def tree_step_seconds(costs: StepCosts, batch_size: int, shape: TreeShape, num_n
     return max(t_target, t_draft) if overlapped else t_target + t_draft
 
 
-def num_micro_batches(costs: StepCosts, batch_size: int, k: int) -> int:
-    """Split `batch_size` rows over a draft actor and a target actor into 1 or 2 micro-batches.
-
-    Two micro-batches overlap one's drafting with the other's verification, but each model then
-    runs at half the batch. Where a step's cost barely grows with the batch (decoding is
-    memory-bound: a small model on a CPU, any model at a small batch on a GPU), that doubles the
-    target's work per token, which overlap pays back only with a costly draft. Compares the time
-    for every row to advance one step: T_target(B, K + 1) + K T_draft(B) in one micro-batch
-    against 2 max(T_target(B/2, K + 1), K T_draft(B/2)) for two, alternating."""
-    if batch_size < 2:
-        return 1
-    half = -(-batch_size // 2)
-    serial = step_seconds(costs, batch_size, k, overlapped=False)
-    return 2 if 2 * step_seconds(costs, half, k, overlapped=True) < serial else 1
-
-
 def choose_k(alphas: Sequence[float], budgets: Sequence[int], config: AdaptiveConfig,
              costs: StepCosts | LearnedStepCosts | None = None, ks: Sequence[int] | None = None) -> int:
     """The K in 0..K_max (and in `ks`, when given: the lengths a step may draft) with the highest

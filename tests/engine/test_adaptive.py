@@ -11,7 +11,7 @@ import pytest
 
 from raysd.core.speculation import AdaptiveConfig, StepCosts
 from raysd.core.theory import expected_tokens_per_step, expected_walltime_improvement, optimal_k
-from raysd.engine.adaptive import KController, choose_k, num_micro_batches, step_seconds
+from raysd.engine.adaptive import KController, choose_k, step_seconds
 
 K_MAX = 8
 
@@ -81,20 +81,6 @@ def test_step_costs_interpolate_and_validate():
         StepCosts((4, 1), ((1.0,), (1.0,)), (0.0, 0.0))
     with pytest.raises(ValueError):
         StepCosts((1,), ((1.0, 2.0),), (0.1, 0.2))
-
-
-def test_num_micro_batches_follows_the_step_costs():
-    # Memory-bound (a step costs the same at 4 and 8 rows): halving the batch doubles the
-    # target's work per token; a model-free draft (free) has nothing to overlap.
-    flat = StepCosts((4, 8), ((1.0, 1.0), (1.0, 1.0)), (0.0, 0.0))
-    assert num_micro_batches(flat, 8, 1) == 1
-    flat_costly_draft = StepCosts((4, 8), ((1.0, 1.0), (1.0, 1.0)), (0.9, 0.9))
-    assert num_micro_batches(flat_costly_draft, 8, 1) == 1  # 2 max(1, 0.9) = 2.0 > 1 + 0.9
-    # Compute-bound (cost proportional to rows) with a costly draft: overlap hides the draft.
-    linear = StepCosts((4, 8), ((1.0, 1.0, 1.0), (2.0, 2.0, 2.0)), (0.4, 0.8))
-    assert num_micro_batches(linear, 8, 2) == 2  # 2 max(1, 0.8) = 2.0 < 2 + 1.6
-    assert num_micro_batches(linear, 8, 0) == 1  # no drafts: nothing to overlap (2.0 is not < 2.0)
-    assert num_micro_batches(linear, 1, 2) == 1  # one row cannot be split
 
 
 # ---------------------------------------------------------------- through the engine
