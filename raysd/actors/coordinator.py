@@ -315,12 +315,12 @@ class SpecCoordinator:
         return pending
 
     def _capture_ahead(self) -> tuple[int, int] | None:
-        """A fresh micro-batch's StepCall.capture: where the models' steps replay CUDA graphs in one
-        actor (colocated, one rank) and the job bounds a row's tokens (max_model_len), the rows and
-        tokens that bound its programs; else None (each is captured when a step first needs it)."""
+        """A fresh micro-batch's StepCall.capture: where the models' steps replay CUDA graphs (one
+        target rank) and the job bounds a row's tokens (max_model_len), the rows and tokens that
+        bound its programs; else None (each is captured when a step first needs it)."""
         cfg = self.config
         graphs = cfg.cuda_graphs or self._draft_graphs
-        if not graphs or self.shape != "colocated" or self.tensor_parallel > 1 or cfg.speculation.max_model_len is None:
+        if not graphs or self.tensor_parallel > 1 or cfg.speculation.max_model_len is None:
             return None
         return cfg.micro_batch_size, self.max_model_len
 

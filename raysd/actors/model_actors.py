@@ -45,7 +45,7 @@ from raysd.engine.adaptive import KController, PlainRun
 from raysd.engine.draft_assist import DraftAssistDrafter, profile_assist_costs
 from raysd.engine.drafters import Drafter, DraftModelDrafter, FeatureDrafter, NgramDrafter, Proposal
 from raysd.engine.engine import decoder
-from raysd.engine.graphs import capture_ahead
+from raysd.engine.graphs import CapturePlan, capture_ahead, capture_draft_ahead, capture_target_ahead
 from raysd.engine.step import DraftSide, ReceivedPlan, ReceivedProposal, StepHook, draft_half, settle, speculative_step
 from raysd.engine.suffix import SuffixDrafter, SuffixIndex
 from raysd.engine.target import TargetSide
@@ -195,6 +195,9 @@ class Proposed:
     # lend_threads): the draft actor sleeps until the target rings `doorbell` at the call's end.
     lent_threads: int = 0
     doorbell: str | None = None
+    # With StepCall.capture, the verify widths the target captures (CapturePlan.verify_widths: the
+    # drafter's kind decides them, and the draft actor holds the drafter).
+    verify_widths: tuple[int, ...] | None = None
 
 
 def _ask_target_vocab_size(name: str) -> int:
@@ -319,6 +322,10 @@ class DraftWorker:
             settle(side, hook, call.verdict, draft_s, call.verify_s, prefill_s)
         if call.new_rows:
             side.add(call.new_rows)
+        verify_widths = None
+        if call.capture is not None:  # a fresh micro-batch: its programs now, not at a step
+            capture, _ = capture_draft_ahead(side, side.spec, hook.controller, *call.capture)
+            verify_widths = capture.verify_widths
         plan = hook.plan(side)
         steps, lent = 1, 0
         if plan.k == 0 and not plan.tree_budget and not side.drafter.needs_features:  # features: every step's
@@ -336,7 +343,7 @@ class DraftWorker:
         _, proposal, draft_s, prefill_s = draft_half(side, hook, plan)  # the plan chose whether to lend
         self.draft_s[call.mb] = (draft_s, prefill_s)
         if call.device_proposal:  # device tensors, GPU to GPU over the step graph's NCCL channel
-            return Proposed(plan, proposal, time.perf_counter() - start, steps, lent, doorbell)
+            return Proposed(plan, proposal, time.perf_counter() - start, steps, lent, doorbell, verify_widths)
         wire = encode_proposal(proposal, self.spec.probs_encoding)
         if self.measure_bytes:
             t = self.transfer
@@ -345,7 +352,7 @@ class DraftWorker:
             t.sparse_steps += wire.encoding != "dense"
         if call.proposal_doorbell is not None:  # the target sleeps until now (TargetActor.await_proposal)
             self.ringer.ring(call.proposal_doorbell, call.ticket)
-        return Proposed(plan, wire, time.perf_counter() - start, steps, lent, doorbell)
+        return Proposed(plan, wire, time.perf_counter() - start, steps, lent, doorbell, verify_widths)
 
     def rest(self, proposed: Proposed) -> None:
         """After `propose`, in the same step graph: through a target call this actor lent its threads
@@ -534,6 +541,10 @@ class TargetWorker:
             if call.new_rows:
                 target.add(call.new_rows)
             hook = ReceivedPlan(target.spec, proposed.plan)
+            if call.capture is not None:  # a fresh micro-batch: the verifies the draft actor's plan names
+                rows, max_length = call.capture
+                hook.timings.add_counts(capture_target_ahead(target, CapturePlan(rows, max_length, proposed.verify_widths,
+                                                                                 (), False)))
             wire = proposed.wire
             proposal = decode_proposal(wire, self.device) if isinstance(wire, WireProposal) else on_device(wire, self.device)
             with borrowed_threads(proposed.lent_threads):

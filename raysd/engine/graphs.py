@@ -71,26 +71,36 @@ def zeros_like_rows(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Te
 def capture_ahead(draft: DraftSide, target: TargetSide, spec: SpeculationConfig, controller: KController | None,
                   rows: int, max_length: int) -> tuple[GraphCounts, GraphCounts]:
     """Capture every program the steps of up to `rows` rows of up to `max_length` tokens each can
-    replay under `spec` (`capture_plan`, `capture_steps`), and hold `controller` to the chains
-    captured. Returns the captures' counts on each side (target, draft), for the step timings."""
+    replay under `spec`, on both sides (where they have graphs), and hold `controller` to the chains
+    captured. Call with the first rows admitted: a program's inputs take their shapes from the rows'
+    state and their sampling flags from the rows' parameters. Returns the captures' counts on each
+    side (target, draft), for the step timings."""
+    plan, draft_counts = capture_draft_ahead(draft, spec, controller, rows, max_length)
+    return capture_target_ahead(target, plan), draft_counts
+
+
+def capture_draft_ahead(draft: DraftSide, spec: SpeculationConfig, controller: KController | None, rows: int,
+                        max_length: int) -> tuple[CapturePlan, GraphCounts]:
+    """The draft side of `capture_ahead` (a split replica's draft actor): the plan (`capture_plan`:
+    its verify widths are the target's to capture), the draft model's programs, the widths it
+    drafts up to and the chains `controller` may plan; with the captures' counts."""
     plan = capture_plan(draft.drafter, spec.num_speculative_tokens, spec.adaptive is not None, rows, max_length)
-    before = target.graph_counts(), draft.graph_counts()
-    capture_steps(target, draft, plan)
-    if controller is not None:  # the chains it plans are those captured
-        controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
-    return target.graph_counts().minus(before[0]), draft.graph_counts().minus(before[1])
-
-
-def capture_steps(target: TargetSide, draft: DraftSide, plan: CapturePlan) -> None:
-    """Capture every program of `plan` on both sides (where they have graphs), and set the widths
-    the sides round their steps up to. Call with the job's first rows admitted: a program's inputs
-    take their shapes from the rows' state and their sampling flags from the rows' parameters."""
-    sampling = SamplingTensors.from_params(target.batch.params, target.device)
-    target.verify_widths = plan.verify_widths
+    before = draft.graph_counts()
     if isinstance(draft.drafter, DraftModelDrafter):
         draft.drafter.draft_widths = plan.draft_ks
-    _capture_verifies(target, plan, sampling)
-    _capture_drafts(draft.drafter, plan, sampling, len(target.batch))
+    _capture_drafts(draft.drafter, plan, SamplingTensors.from_params(draft.batch.params, draft.device), len(draft))
+    if controller is not None:  # the chains it plans are those captured
+        controller.ks = plan.draft_ks or tuple(w for w in plan.verify_widths if w)
+    return plan, draft.graph_counts().minus(before)
+
+
+def capture_target_ahead(target: TargetSide, plan: CapturePlan) -> GraphCounts:
+    """The target side of `capture_ahead`: the verify of each of the plan's widths, which its steps
+    round a proposal up to; with the captures' counts."""
+    before = target.graph_counts()
+    target.verify_widths = plan.verify_widths
+    _capture_verifies(target, plan, SamplingTensors.from_params(target.batch.params, target.device))
+    return target.graph_counts().minus(before)
 
 
 def _capture_verifies(target: TargetSide, plan: CapturePlan, sampling: SamplingTensors) -> None:

@@ -4,8 +4,8 @@
 does: the target actor measures its crossover (raysd.models.profile.crossover_tokens; None on a
 CPU), the coordinator puts it in the spec every micro-batch starts with, and every planner (the
 draft actor's, a colocated target's, each tensor-parallel rank's) learns its costs with it.
-A colocated replica replaying CUDA graphs under a job's max_model_len captures its programs as a
-micro-batch starts (StepCall.capture; tests/engine/test_graphed_steps.py runs it)."""
+A replica replaying CUDA graphs under a job's max_model_len captures its programs as a micro-batch
+starts (StepCall.capture; tests/engine/test_graphed_steps.py runs it)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,14 @@ def test_a_planner_learns_its_costs_with_the_crossover_it_is_sent():
     assert planner.for_spec(spec) is hook  # the same settings at the next micro-batch: the same controller
 
 
-def test_a_colocated_graphed_replica_under_a_job_bound_captures_ahead():
+def test_a_graphed_replica_under_a_job_bound_captures_ahead():
     bounded = SpeculationConfig(num_speculative_tokens=4, max_model_len=96)
     graphed = {"runner": "static", "cuda_graphs": True, "micro_batch_size": 6}
     assert _coordinator(bounded, **graphed)._capture_ahead() == (6, 96)
-    # No job bound (a row may grow to the models' context), no graphs, or a split replica: on first need.
+    assert _coordinator(bounded, shape="split", **graphed)._capture_ahead() == (6, 96)
+    # No job bound (a row may grow to the models' context), no graphs, or a tensor-parallel target: on first need.
     assert _coordinator(SpeculationConfig(num_speculative_tokens=4), **graphed)._capture_ahead() is None
     assert _coordinator(bounded, micro_batch_size=6)._capture_ahead() is None
-    assert _coordinator(bounded, shape="split", **graphed)._capture_ahead() is None
+    tensor_parallel = _coordinator(bounded, shape="split", **graphed)
+    tensor_parallel.targets = [None, None]
+    assert tensor_parallel._capture_ahead() is None

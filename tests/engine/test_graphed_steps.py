@@ -168,16 +168,32 @@ def test_compiles_happen_at_start_up_and_are_counted():
     assert per_step and not any(per_step), per_step
 
 
+def _graphed_sides(worker, runners: list) -> None:
+    """The worker's sides made from now on replay the stand-in capture; their runners go to `runners`."""
+    make = worker.sides.make
+
+    def make_graphed(call):
+        made = make(call)
+        for side in made if isinstance(made, tuple) else (made,):
+            runner = side.rows.runner if hasattr(side, "rows") else side.drafter.rows.runner
+            runners.append(graphed(runner))
+        return made
+
+    worker.sides.make = make_graphed
+
+
+@pytest.mark.parametrize("shape", ["colocated", "split"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_colocated_actor_captures_ahead_under_a_job_bound(temperature):
-    """A colocated replica's target actor (in process here), its micro-batch started with a capture
-    bound (StepCall.capture: a job's max_model_len), rows streaming in as slots free under `-k auto`:
-    its first call captures every program, and no later call captures a graph or runs a forward
-    eagerly. The tokens are those of the actor without graphs."""
+def test_a_replicas_actors_capture_ahead_under_a_job_bound(temperature, shape):
+    """A replica's actors (in process here), the micro-batch started with a capture bound
+    (StepCall.capture: a job's max_model_len), rows streaming in as slots free under `-k auto`: the
+    first call captures every program, on both models, and no later call captures a graph or runs a
+    forward eagerly. In a split replica the draft actor's plan names the verifies the target captures
+    (Proposed.verify_widths). The tokens are those of the actors without graphs."""
     import dataclasses
     import functools
 
-    from raysd.actors.model_actors import DrafterSpec, StepCall, TargetWorker
+    from raysd.actors.model_actors import DrafterSpec, DraftWorker, StepCall, TargetWorker
     from raysd.core.speculation import AdaptiveConfig
     from raysd.engine.requests import Admission
 
@@ -185,36 +201,44 @@ def test_a_colocated_actor_captures_ahead_under_a_job_bound(temperature):
     bound = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
     spec = Admission.of(SpeculationConfig(num_speculative_tokens=4, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(),
                                           max_model_len=bound), VOCAB, [512]).spec
-    rows = 4
+    rows, same = 4, functools.partial(tiny_model, "llama", 0)
+    drafter = DrafterSpec(same, runner="static")
 
     def run(graphs: bool):
-        same = functools.partial(tiny_model, "llama", 0)
-        worker = TargetWorker(same, runner="static", drafter=DrafterSpec(same, runner="static"))
+        runners: list = []
+        if shape == "colocated":
+            workers = [TargetWorker(same, runner="static", drafter=drafter)]
+        else:
+            workers = [DraftWorker(drafter, VOCAB), TargetWorker(same, runner="static")]
         if graphs:
-            make = worker.sides.make
+            for worker in workers:
+                _graphed_sides(worker, runners)
 
-            def graphed_sides(call):
-                draft, target = make(call)
-                graphed(target.rows.runner)
-                graphed(draft.drafter.rows.runner)
-                return draft, target
+        def counts():
+            return sum(r.counts.captures for r in runners), sum(r.counts.eager_forwards for r in runners)
 
-            worker.sides.make = graphed_sides
         waiting, running, results, per_call = list(enumerate(reqs)), 0, {}, []
         call = StepCall(0, spec, None, tuple(waiting[:rows]), max_steps=8, capture=(rows, bound) if graphs else None)
         waiting, running = waiting[rows:], rows
         while running:
-            verdict, timings = worker.step(call)
-            per_call.append((timings.graph_captures, timings.eager_forwards))
+            before = counts()
+            if shape == "colocated":
+                verdict, timings = workers[0].step(call)
+            else:
+                proposed = workers[0].propose(call)
+                verdict, timings = workers[1].step(dataclasses.replace(call, verdict=None), proposed)
+            after = counts()
+            per_call.append((after[0] - before[0], after[1] - before[1]))
             results.update(verdict.finished)
             running -= len(verdict.finished)
             new = tuple(waiting[:len(verdict.finished)])
             waiting, running = waiting[len(new):], running + len(new)
-            call = dataclasses.replace(StepCall(0), new_rows=new, max_steps=8)
-        return [results[i].token_ids for i in range(len(reqs))], per_call
+            last = dataclasses.replace(verdict, finished=()) if shape == "split" else None
+            call = StepCall(0, None, last, new, max_steps=8, verify_s=timings.verify_s, last_steps=timings.steps)
+        return [results[i].token_ids for i in range(len(reqs))], per_call, runners
 
-    out, per_call = run(graphs=True)
-    assert per_call[0][0] > 0 and per_call[0][1] == 0  # the first call: captures, and no eager forward
+    out, per_call, runners = run(graphs=True)
+    assert len(runners) == 2 and per_call[0][0] > 0 and per_call[0][1] == 0  # both models: captures, no eager forward
     assert all(c == (0, 0) for c in per_call[1:]), [c for c in per_call[1:] if c != (0, 0)]
     assert len(per_call) >= 20
     if temperature == 0:  # sampled, K follows the learned timings, and which draws a row reads follows K

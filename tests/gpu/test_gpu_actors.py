@@ -137,20 +137,21 @@ def test_cuda_graphs_through_the_actors_equal_hf_greedy(shape):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA itself (CUDA graphs)")
-def test_a_colocated_replica_under_a_job_bound_captures_before_its_first_step():
-    """With CUDA graphs and a job's bound on a row's tokens (max_model_len), a colocated actor captures
-    every program as its micro-batch starts (StepCall.capture): over rows finishing and refilling
-    under -k auto no forward runs eagerly, and fp32 greedy tokens equal HF's
+@pytest.mark.parametrize("shape", ["colocated", "split"])
+def test_a_replica_under_a_job_bound_captures_before_its_first_step(shape):
+    """With CUDA graphs and a job's bound on a row's tokens (max_model_len), the actors capture every
+    program as a micro-batch starts (StepCall.capture): over rows finishing and refilling under -k
+    auto the target runs no forward eagerly, and fp32 greedy tokens equal HF's
     (tests/engine/test_graphed_steps.py runs the same with the CPU's stand-in capture)."""
     from raysd.core.speculation import AdaptiveConfig
 
     ps = prompts(16, seed=4)
     speculation = SpeculationConfig(num_speculative_tokens=K, eos_token_ids=(EOS,), adaptive=AdaptiveConfig(),
                                     max_model_len=max(len(p) for p in ps) + MAX_NEW)
-    cfg = CoordinatorConfig(speculation, micro_batch_size=4, num_micro_batches=1, runner="static", cuda_graphs=True,
-                            draft_resources=RES, target_resources=RES)
+    cfg = CoordinatorConfig(speculation, micro_batch_size=4, num_micro_batches=1 if shape == "colocated" else 2,
+                            runner="static", cuda_graphs=True, draft_resources=RES, target_resources=RES)
     draft = DrafterSpec(tiny_factory("llama", 1, layers=1, dtype=torch.float32), runner="static", cuda_graphs=True,
-                        shape="colocated")
+                        shape=shape)
     with SpecCoordinator(tiny_factory("llama", 0, dtype=torch.float32), draft, cfg) as c:
         out = c.generate(requests(ps))
     target = tiny_on_device("llama", 0, dtype=torch.float32)
