@@ -240,9 +240,10 @@ def target_build(target_factory: ModelFactory, drafter: DrafterSpec, config: Coo
                  tensor_parallel: TensorParallel = TensorParallel()):
     """How one rank's target actor builds its worker (with the drafter, in a colocated replica): picklable."""
     shape = drafter.shape_for(config.target_resources.num_gpus, config.draft_resources.num_gpus, config.target_tensor_parallel)
+    adaptive = config.speculation.adaptive
     return functools.partial(_target_worker, target_factory, config.runner, drafter if shape == "colocated" else None,
                              tokenizer_factory, tensor_parallel=tensor_parallel, cuda_graphs=config.cuda_graphs,
-                             compile=config.compile)
+                             compile=config.compile, crossover=adaptive is not None and adaptive.wants_crossover)
 
 
 def draft_build(drafter: DrafterSpec, config: CoordinatorConfig):

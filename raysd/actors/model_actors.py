@@ -375,11 +375,12 @@ class TargetWorker:
     on the same tokens, the same draws), so they keep the same tokens without exchanging them.
 
     `cuda_graphs`: the target's decode and verify forwards replayed as CUDA graphs (TargetSide; a GPU only);
-    `compile`: those forwards through torch.compile (TargetSide)."""
+    `compile`: those forwards through torch.compile (TargetSide); `crossover`: measure the device's
+    crossover for -k auto's learned costs (ActorInfo.crossover_tokens)."""
 
     def __init__(self, model_factory: ModelFactory, runner: str = "auto", drafter: DrafterSpec | None = None,
                  tokenizer_factory: Callable[[], object] | None = None, tensor_parallel: TensorParallel = TensorParallel(),
-                 cuda_graphs: bool = False, compile: bool = False):
+                 cuda_graphs: bool = False, compile: bool = False, crossover: bool = False):
         exit_when_orphaned()
         self.device = assigned_device()
         if cuda_graphs and self.device.type != "cuda":
@@ -396,8 +397,9 @@ class TargetWorker:
         # Where a forward turns compute-bound on this GPU (None on a CPU), for -k auto's learned costs:
         # measured once, by the rank that reports, and sent to every planner in the steps' spec. Its
         # buffers go back to the device before the caches are made.
-        self.crossover_tokens = crossover_tokens(self.model) if tensor_parallel.rank == 0 else None
-        if self.device.type == "cuda":
+        self.crossover_tokens = None
+        if crossover and tensor_parallel.rank == 0 and self.device.type == "cuda":
+            self.crossover_tokens = crossover_tokens(self.model)
             torch.cuda.empty_cache()
         self.colocated = drafter is not None
         self.drafter_spec = drafter

@@ -151,10 +151,10 @@ class StepCall:
     # rings it (with `ticket`) once its proposal is ready, and the target sleeps until then
     # (`TargetActor.await_proposal`) rather than spin in the channel read beside the drafting.
     proposal_doorbell: str | None = None
-    # With `spec`, in a colocated replica replaying CUDA graphs under a job's max_model_len: (rows,
-    # tokens per row) the micro-batch's steps are bounded by, so that every program they can replay
-    # is captured before its first step (raysd.engine.graphs.capture_ahead). None: each is captured
-    # the first time a step needs it.
+    # With `spec`, in a replica replaying CUDA graphs under a job's max_model_len: (rows, tokens per
+    # row) the micro-batch's steps are bounded by, so that every program they can replay is captured
+    # before its first step (raysd.engine.graphs.capture_ahead; in a split replica each actor its
+    # half). None: each is captured the first time a step needs it.
     capture: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:

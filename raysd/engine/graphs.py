@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from raysd.engine.target import TargetSide
     from raysd.models.cuda_graphs import GraphCounts
 
+
 @dataclass(frozen=True)
 class CapturePlan:
     """What a job's steps can run: at most `rows` rows, each of at most `max_length` tokens; verifies

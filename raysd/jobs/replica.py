@@ -481,10 +481,7 @@ class GenerationReplica:
                 tokenize_s += seconds
                 kind = "prompt"
             if error is not None:
-                outputs[i] = [self._error_row(ids, error, sample_seed(seed, j), j) for j in samples]
-                for out in outputs[i]:
-                    self.metrics.observe_row(out, kind)
-                self.live.add_errors(len(samples))
+                outputs[i] = self._counted_errors([self._error_row(ids, error, sample_seed(seed, j), j) for j in samples], kind)
                 continue
             for j in samples:
                 params_j = params if j == 0 else dataclasses.replace(params, seed=sample_seed(seed, j))
@@ -527,10 +524,7 @@ class GenerationReplica:
                 tokenize_s += seconds
                 kind = "prompt"
             if error is not None:
-                outputs[i] = [self._error_row(ids, error, seed, j) for j in samples]
-                for out in outputs[i]:
-                    self.metrics.observe_row(out, kind)
-                self.live.add_errors(len(samples))
+                outputs[i] = self._counted_errors([self._error_row(ids, error, seed, j) for j in samples], kind)
                 continue
             if samples:
                 requests.append(Request(i, ids, params))
@@ -568,6 +562,14 @@ class GenerationReplica:
         """The output row of a sample that cannot run: no tokens, empty statistics, `error` saying why."""
         return self._row(prompt_ids or [], [], "error", SpecDecodeStats(self.num_speculative_tokens), error, seed, 0.0,
                          sample_index)
+
+    def _counted_errors(self, rows: list[dict], kind: str) -> list[dict]:
+        """Error rows made before any model ran, counted as such: in the live metrics under `kind`
+        (raysd.jobs.metrics.ERROR_KINDS) and in the driver's progress."""
+        for out in rows:
+            self.metrics.observe_row(out, kind)
+        self.live.add_errors(len(rows))
+        return rows
 
     def _report(self) -> LoopStats:
         """What the stream measured since the last call took it (and, in the first report, the

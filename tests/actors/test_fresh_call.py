@@ -58,3 +58,16 @@ def test_a_graphed_replica_under_a_job_bound_captures_ahead():
     tensor_parallel = _coordinator(bounded, shape="split", **graphed)
     tensor_parallel.targets = [None, None]
     assert tensor_parallel._capture_ahead() is None
+
+
+def test_the_target_measures_its_crossover_only_for_learned_costs():
+    """As the engine: the matmul and copy that measure it run only where -k auto learns its costs."""
+    from raysd.actors.launch import target_build
+    from raysd.actors.wire import DrafterSpec
+
+    def asks(speculation: SpeculationConfig) -> bool:
+        return target_build(lambda: None, DrafterSpec(), CoordinatorConfig(speculation)).keywords["crossover"]
+
+    assert asks(SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig()))
+    assert not asks(SpeculationConfig(num_speculative_tokens=4))
+    assert not asks(SpeculationConfig(num_speculative_tokens=4, adaptive=AdaptiveConfig(crossover_tokens=50.0)))
